@@ -7,25 +7,46 @@
 #include <cstdint>
 #include <new>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 namespace simt::detail {
 
 namespace {
-size_t page_bytes() { return size_t(sysconf(_SC_PAGESIZE)); }
-}  // namespace
+
+size_t page_bytes() {
+  static const size_t bytes = size_t(sysconf(_SC_PAGESIZE));
+  return bytes;
+}
+
+// A stack may be reused after a block was abandoned midway: clear stale ASan poison.
+// (Only the OS thread's own context is never prepared: its TSan fiber is the thread.)
+void prepare_stack(Context* fiber, void* stack, size_t bytes) {
+#if defined(__SANITIZE_ADDRESS__)
+  ASAN_UNPOISON_MEMORY_REGION(stack, bytes);
+#endif
+#if defined(__SANITIZE_THREAD__)
+  // A fresh TSan fiber: the previous one left frames behind (fibers never return).
+  if (fiber->tsan_fiber) __tsan_destroy_fiber(fiber->tsan_fiber);
+  fiber->tsan_fiber = __tsan_create_fiber(0);
+#endif
+  fiber->stack_bottom = stack;
+  fiber->stack_bytes = bytes;
+}
 
 #ifdef SIMT_USE_UCONTEXT
 
-void make_context(Context* fiber, void* stack, size_t bytes, void (*entry)()) {
+void init_frame(Context* fiber, void* stack, size_t bytes, void (*entry)()) {
   getcontext(&fiber->uc);
   fiber->uc.uc_stack.ss_sp = stack;
   fiber->uc.uc_stack.ss_size = bytes;
   fiber->uc.uc_link = nullptr;
   makecontext(&fiber->uc, entry, 0);
-  fiber->stack_bottom = stack;
-  fiber->stack_bytes = bytes;
 }
 
-void switch_context(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
+void raw_switch(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
 
 #else
 
@@ -79,7 +100,7 @@ simt_trampoline:
 extern "C" void simt_switch(void** save_sp, void* new_sp);
 extern "C" void simt_trampoline();
 
-void make_context(Context* fiber, void* stack, size_t bytes, void (*entry)()) {
+void init_frame(Context* fiber, void* stack, size_t bytes, void (*entry)()) {
   auto top = (reinterpret_cast<uintptr_t>(stack) + bytes) & ~uintptr_t(15);
   auto* frame = reinterpret_cast<uint64_t*>(top - 80);  // frame + 8 ends 16 bytes below top
   uint32_t mxcsr;
@@ -92,13 +113,58 @@ void make_context(Context* fiber, void* stack, size_t bytes, void (*entry)()) {
   frame[5] = frame[6] = 0;                           // rbx, rbp
   frame[7] = reinterpret_cast<uint64_t>(&simt_trampoline);
   fiber->sp = frame;
-  fiber->stack_bottom = stack;
-  fiber->stack_bytes = bytes;
 }
 
-void switch_context(Context* from, Context* to) { simt_switch(&from->sp, to->sp); }
+void raw_switch(Context* from, Context* to) { simt_switch(&from->sp, to->sp); }
 
 #endif
+
+thread_local Context* switching_from = nullptr;  // ASan: whose stack bounds to learn
+
+// Announces a switch to the sanitizers; `fake_stack` null means `from` never resumes. For
+// TSan only a fiber's exit synchronizes: it happens before whatever its OS thread does next.
+void before_switch(Context* from, Context* to, void** fake_stack) {
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_start_switch_fiber(fake_stack, to->stack_bottom, to->stack_bytes);
+  switching_from = from;
+#endif
+#if defined(__SANITIZE_THREAD__)
+  if (!from->tsan_fiber) from->tsan_fiber = __tsan_get_current_fiber();
+  __tsan_switch_to_fiber(to->tsan_fiber, fake_stack ? __tsan_switch_to_fiber_no_sync : 0);
+#endif
+  (void)from, (void)to, (void)fake_stack;
+}
+
+// Runs on the destination stack right after a switch.
+void after_switch(void* fake_stack) {
+#if defined(__SANITIZE_ADDRESS__)
+  Context* from = switching_from;
+  __sanitizer_finish_switch_fiber(fake_stack, &from->stack_bottom, &from->stack_bytes);
+#endif
+  (void)fake_stack, (void)switching_from;
+}
+
+}  // namespace
+
+void make_context(Context* fiber, void* stack, size_t bytes, void (*entry)()) {
+  prepare_stack(fiber, stack, bytes);
+  init_frame(fiber, stack, bytes, entry);
+}
+
+void fiber_started() { after_switch(nullptr); }
+
+void switch_context(Context* from, Context* to) {
+  void* fake_stack = nullptr;
+  before_switch(from, to, &fake_stack);
+  raw_switch(from, to);
+  after_switch(fake_stack);
+}
+
+void exit_to(Context* from, Context* to) {
+  before_switch(from, to, nullptr);
+  raw_switch(from, to);
+  __builtin_trap();  // an exited fiber is never resumed
+}
 
 StackPool::~StackPool() {
   for (void* m : mappings_) munmap(m, kStackBytes + page_bytes());

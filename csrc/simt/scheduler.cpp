@@ -17,6 +17,8 @@ namespace {
 
 thread_local BlockRunner* active_runner = nullptr;
 
+struct Abandon {};  // unwinds a fiber of a failed block
+
 uint64_t splitmix64(uint64_t& state) {
   uint64_t z = (state += 0x9e3779b97f4a7c15ull);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -68,6 +70,16 @@ int source_lane(const Thread& t, unsigned lane) {
   }
 }
 
+std::string describe(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
 }  // namespace
 
 void BlockRunner::AlignedFree::operator()(unsigned char* p) const {
@@ -75,6 +87,7 @@ void BlockRunner::AlignedFree::operator()(unsigned char* p) const {
 }
 
 void BlockRunner::run(const LaunchInfo& launch, uint3 idx, uint64_t block_linear) {
+  const RaceIgnore ignore;
   launch_ = &launch;
   const dim3 d = launch.block;
   const unsigned n = d.x * d.y * d.z;
@@ -93,6 +106,7 @@ void BlockRunner::run(const LaunchInfo& launch, uint3 idx, uint64_t block_linear
     threads_[i].linear = i;
     make_context(&contexts_[i], stacks_.stack(i), StackPool::kStackBytes, &fiber_main);
   }
+  warp_waiting_.assign((n + 31) / 32, 0);
   exited_ = at_barrier_ = 0;
   error_ = nullptr;
   ready_.clear();
@@ -103,47 +117,64 @@ void BlockRunner::run(const LaunchInfo& launch, uint3 idx, uint64_t block_linear
 
   active_runner = this;
   current_block = &block_;
+  race_release(&block_start_);  // the launch's inputs and the poisoned shared memory
   while (!ready_.empty() && !error_) {
     const unsigned i = ready_.front();
     ready_.pop_front();
     current_thread = &threads_[i];
     switch_context(&scheduler_, &contexts_[i]);
   }
+  std::string failure;
+  if (error_) {
+    failure = where() + ", thread " + dims(threads_[error_thread_].idx) + ": " + describe(error_);
+  } else if (exited_ != n) {
+    failure = where() + ": " + stuck_message();
+  }
+  if (!failure.empty()) abandon_waiting_fibers();
   current_thread = nullptr;
   current_block = nullptr;
   active_runner = nullptr;
-
-  if (error_) {
-    std::string what = "unknown exception";
-    try {
-      std::rethrow_exception(error_);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    throw Error(where() + ", thread " + dims(threads_[error_thread_].idx) + ": " + what);
-  }
-  if (exited_ != n) throw Error(where() + ": " + stuck_message());
+  if (!failure.empty()) throw Error(failure);
 }
 
 void BlockRunner::fiber_main() {
+  fiber_started();
   BlockRunner& r = *active_runner;
   Thread& t = *current_thread;
+  race_acquire(&r.block_start_);
   try {
-    r.launch_->body(r.launch_->context);
+    if (!r.abandoning_) r.launch_->body(r.launch_->context);
+  } catch (const Abandon&) {
   } catch (...) {
     r.error_ = std::current_exception();
     r.error_thread_ = t.linear;
   }
   // Outside the catch block: a fiber never switches while an exception is being handled.
-  t.op = Op::exited;
-  ++r.exited_;
-  switch_context(&r.contexts_[t.linear], &r.scheduler_);
-  __builtin_trap();  // an exited fiber is never resumed
+  {
+    const RaceIgnore ignore;
+    t.op = Op::exited;
+    ++r.exited_;
+  }
+  exit_to(&r.contexts_[t.linear], &r.scheduler_);
 }
 
 void BlockRunner::suspend() {
-  switch_context(&contexts_[current_thread->linear], &scheduler_);
+  Context& self = contexts_[current_thread->linear];
+  switch_context(&self, &scheduler_);
+  if (abandoning_) throw Abandon{};  // the block failed: unwind the kernel, end in fiber_main
+}
+
+// After a failure, resumes each fiber that has not exited once so that it ends at once (see
+// suspend() and fiber_main()): its frames unwind, and the race checker orders its accesses
+// before the launch returns.
+void BlockRunner::abandon_waiting_fibers() {
+  abandoning_ = true;
+  for (Thread& t : threads_) {
+    if (t.op == Op::exited) continue;
+    current_thread = &t;
+    switch_context(&scheduler_, &contexts_[t.linear]);
+  }
+  abandoning_ = false;
 }
 
 void BlockRunner::make_ready(std::vector<unsigned>& ids) {
@@ -158,10 +189,16 @@ void BlockRunner::make_ready(std::vector<unsigned>& ids) {
 // Counts arrivals at any __syncthreads: like a GPU, and unlike source-level matching, it does
 // not tell two barrier call sites apart (the compiler may duplicate one).
 uint64_t BlockRunner::sync_threads(int predicate) {
+  const RaceIgnore ignore;
   Thread& t = *current_thread;
   t.op = Op::syncthreads;
   t.value = uint64_t(predicate != 0);
+  // Two sync objects alternate: a fast thread's next barrier cannot complete (and so cannot
+  // publish) before this one's stragglers have acquired.
+  void* sync = &barrier_sync_[barrier_generation_ & 1];
+  race_release(sync);
   if (++at_barrier_ == num_threads()) {
+    ++barrier_generation_;
     at_barrier_ = 0;
     uint64_t count = 0;
     for (const Thread& u : threads_) count += u.value;
@@ -171,37 +208,43 @@ uint64_t BlockRunner::sync_threads(int predicate) {
     make_ready(ids_);
   }
   suspend();
+  race_acquire(sync);
   return t.result;
 }
 
 uint64_t BlockRunner::warp_collective(Op op, unsigned mask, uint64_t value, int arg, int width) {
+  const RaceIgnore ignore;
   Thread& t = *current_thread;
   const unsigned lane = t.linear % 32, base = t.linear - lane;
   const unsigned lanes = std::min(32u, num_threads() - base);
-  const std::string call = std::string(op_name(op)) + "(" + hex(mask) + ")";
+  const auto call = [&] { return std::string(op_name(op)) + "(" + hex(mask) + ")"; };
   if (!(mask >> lane & 1u)) {
-    fail(call + " in lane " + std::to_string(lane) + ": the mask must include the calling lane");
+    fail(call() + " in lane " + std::to_string(lane) + ": the mask must include the calling lane");
   }
   if (lanes < 32 && (mask >> lanes) != 0) {
-    fail(call + " names lanes absent from warp " + std::to_string(base / 32) + ", which has " +
+    fail(call() + " names lanes absent from warp " + std::to_string(base / 32) + ", which has " +
          std::to_string(lanes) + " lanes");
   }
   if (width < 1 || width > 32 || (width & (width - 1))) {
-    fail(call + ": width " + std::to_string(width) + " is not a power of 2 in [1, 32]");
+    fail(call() + ": width " + std::to_string(width) + " is not a power of 2 in [1, 32]");
   }
   t.op = op;
   t.mask = mask;
   t.value = value;
   t.arg = arg;
   t.width = width;
-  bool complete = true;
+  // Cheap test first: enough lanes of this warp wait in some collective to fill the mask.
+  bool complete = ++warp_waiting_[base / 32] >= unsigned(__builtin_popcount(mask));
   for (unsigned l = 0; l < 32 && complete; ++l) {
     if (!(mask >> l & 1u)) continue;
     const Thread& u = threads_[base + l];  // lanes of the mask exist: checked above
     complete = u.op == op && u.mask == mask;
   }
+  void* sync = &warp_waiting_[base / 32];
+  race_release(sync);
   if (complete) resolve_warp(base, mask, op);
   suspend();
+  race_acquire(sync);
   return t.result;
 }
 
@@ -221,6 +264,7 @@ void BlockRunner::resolve_warp(unsigned base, unsigned mask, Op op) {
     }
     ids_.push_back(base + l);
   }
+  warp_waiting_[base / 32] -= unsigned(ids_.size());
   for (unsigned id : ids_) {
     Thread& u = threads_[id];
     const int src = source_lane(u, id - base);

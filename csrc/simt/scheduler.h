@@ -37,6 +37,7 @@ class BlockRunner {
  private:
   static void fiber_main();
   void suspend();
+  void abandon_waiting_fibers();
   void make_ready(std::vector<unsigned>& ids);  // ids ascending; queued in the run order
   void resolve_warp(unsigned base, unsigned mask, Op op);
   unsigned num_threads() const { return unsigned(threads_.size()); }
@@ -52,7 +53,11 @@ class BlockRunner {
   Context scheduler_;
   std::deque<unsigned> ready_;
   unsigned exited_ = 0;
+  bool abandoning_ = false;
   unsigned at_barrier_ = 0;
+  std::vector<unsigned> warp_waiting_;  // per warp: lanes waiting in a warp collective
+  uint64_t barrier_generation_ = 0;
+  char barrier_sync_[2] = {}, block_start_ = 0;  // race checker sync objects
   std::exception_ptr error_;
   unsigned error_thread_ = 0;
   uint64_t rng_ = 0;

@@ -69,7 +69,7 @@ __global__ void read_outside_mask_kernel(float* buf) {
 // grid 2, block 32: thread 5 of block 1 traps.
 __global__ void trap_kernel(float* buf) {
   if (blockIdx.x == 1 && threadIdx.x == 5) __trap();
-  buf[threadIdx.x] = 1.0f;
+  buf[blockIdx.x * blockDim.x + threadIdx.x] = 1.0f;
 }
 
 // block 32: an assert fails in thread 7.

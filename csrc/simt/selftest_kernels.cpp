@@ -141,7 +141,7 @@ __global__ void atomics_kernel(int32_t* __restrict__ counters) {  // [4]
   atomicAdd(&counters[0], 1);
   atomicMax(&counters[1], id);
   atomicAdd(reinterpret_cast<float*>(&counters[2]), 1.0f);
-  int old = counters[3], seen;
+  int old = atomicOr(&counters[3], 0), seen;
   while ((seen = atomicCAS(&counters[3], old, old + 1)) != old) old = seen;
 }
 
