@@ -46,6 +46,11 @@ void atomics(int32_t* counters, int blocks, int threads);
 // out[t] = in[min(t + 1, n - 1)] when the fibers happen to run in a kind order.
 void missing_barrier(const float* in, float* out, int n);
 
+// Memory faults a GPU would hit and only a sanitizer build of the emulator reports:
+// the last thread reads x[n] (one past the end); a uint4 load from a 2-byte aligned address.
+void read_past_end(const float* x, float* out, int n);
+void misaligned_vector_load(const void* x, float* out);
+
 // Launches the faulty kernel `name` (see fault_names()); always throws simt::Error.
 void run_fault(const std::string& name);
 std::vector<std::string> fault_names();

@@ -81,6 +81,17 @@ __global__ void assert_kernel(float* buf) {
 // block of 2048 threads: more than a GPU allows.
 __global__ void oversized_block_kernel(float* buf) { buf[threadIdx.x] = 1.0f; }
 
+// n threads: out[t] = x[t + 1], reading x[n] in the last thread.
+__global__ void read_past_end_kernel(const float* x, float* out) {
+  out[threadIdx.x] = x[threadIdx.x + 1];
+}
+
+// 1 thread: a 16-byte load from x + 1 half (needs 16-byte alignment on a GPU).
+__global__ void misaligned_vector_load_kernel(const __half* x, float* out) {
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + 1));
+  out[0] = __int_as_float(int(v.x));
+}
+
 namespace {
 
 struct Fault {
@@ -113,6 +124,14 @@ void run_fault(const std::string& name) {
   std::vector<float> buf(2048, 1.0f);
   const Fault& f = it->second;
   ::simt::Launcher(f.kernel, f.grid, f.block, 0, nullptr)(buf.data());
+}
+
+void read_past_end(const float* x, float* out, int n) {
+  ::simt::Launcher(read_past_end_kernel, 1, n, 0, nullptr)(x, out);
+}
+
+void misaligned_vector_load(const void* x, float* out) {
+  ::simt::Launcher(misaligned_vector_load_kernel, 1, 1, 0, nullptr)(static_cast<const __half*>(x), out);
 }
 
 std::vector<std::string> fault_names() {

@@ -1,7 +1,8 @@
 // Torch-free emulator self-test (ctest): the self-test kernels of csrc/simt in several fiber
 // orders and worker counts, checked against host references, and every fault diagnosed.
 // `simt_selftest --env ORDER SEED WORKERS` instead checks that PAGEDKV_SIMT_* were read;
-// `simt_selftest --race` runs a kernel with a missing __syncthreads (for the TSan build).
+// `simt_selftest --race` runs a kernel with a missing __syncthreads (for the TSan build),
+// `--oob` and `--misaligned` kernels with memory faults (for the ASan + UBSan build).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -193,9 +194,25 @@ int run_race() {
   return 0;
 }
 
+// `--oob` / `--misaligned`: memory faults for the ASan + UBSan build to report.
+int run_memory_fault(const std::string& which) {
+  std::vector<float> out(64);
+  if (which == "--oob") {
+    std::vector<float> x(64, 1.0f);
+    simt_selftest::read_past_end(x.data(), out.data(), 64);
+  } else {
+    alignas(16) __half x[16] = {};
+    simt_selftest::misaligned_vector_load(x, out.data());
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc == 5 && std::string(argv[1]) == "--env") return check_env(argv[2], argv[3], argv[4]);
   if (argc == 2 && std::string(argv[1]) == "--race") return run_race();
+  if (argc == 2 && (std::string(argv[1]) == "--oob" || std::string(argv[1]) == "--misaligned")) {
+    return run_memory_fault(argv[1]);
+  }
   struct Config {
     const char* order;
     uint64_t seed;
