@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_bits, make_caches
 
 import pagedkv
 from pagedkv import reference
+
+from helpers import assert_same_bits, make_caches
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FLOAT_DTYPES, FP8_DTYPES, LAYOUTS, assert_same_bits, make_caches
 
 from pagedkv import reference
+
+from helpers import FLOAT_DTYPES, FP8_DTYPES, LAYOUTS, assert_same_bits, make_caches
 
 
 def make_layers(backend, layout, dtype, num_layers=3, num_blocks=23, heads=2, block_size=16,
@@ -36,7 +37,7 @@ def test_matches_reference(backend, layout, dtype, block_size, head_size):
     want_v = [v.clone() for v in values]
     reference.copy_blocks(want_k, want_v, mapping)
     backend.ops.copy_blocks(keys, values, mapping)
-    for got, want in zip(keys + values, want_k + want_v):
+    for got, want in zip(keys + values, want_k + want_v, strict=True):
         assert_same_bits(got, want)
 
 
@@ -48,7 +49,7 @@ def test_many_layers_span_several_launches(backend):
     want_v = [v.clone() for v in values]
     reference.copy_blocks(want_k, want_v, mapping)
     backend.ops.copy_blocks(keys, values, mapping)
-    for got, want in zip(keys + values, want_k + want_v):
+    for got, want in zip(keys + values, want_k + want_v, strict=True):
         assert_same_bits(got, want)
 
 
@@ -58,7 +59,7 @@ def test_empty_mapping_and_no_layers(backend):
     backend.ops.copy_blocks(keys, values, torch.empty(0, 2, dtype=torch.int64,
                                                       device=backend.device))
     backend.ops.copy_blocks([], [], torch.empty(0, 2, dtype=torch.int64, device=backend.device))
-    for got, want in zip(keys + values, before):
+    for got, want in zip(keys + values, before, strict=True):
         assert_same_bits(got, want)
 
 
@@ -68,13 +69,18 @@ def test_opcheck(backend):
     torch.library.opcheck(backend.ops.copy_blocks.default, (keys, values, mapping))
 
 
+def _set_row(m: torch.Tensor, row: int, value: int) -> torch.Tensor:
+    m = m.clone()
+    m[row] = value
+    return m
+
+
 BAD_CASES = {
     "mapping dtype": (lambda k, v, m: (k, v, m.int()), "block_mapping must be Long"),
-    "mapping shape": (lambda k, v, m: (k, v, m.reshape(-1)), r"block_mapping must be \[num_pairs, 2\]"),
-    "mapping range": (lambda k, v, m: (k, v, m.index_fill(0, torch.tensor([1], device=m.device), 23)),
-                      "expected 0 <= id < 23"),
-    "negative id": (lambda k, v, m: (k, v, m.index_fill(0, torch.tensor([0], device=m.device), -1)),
-                    "expected 0 <= id < 23"),
+    "mapping shape": (lambda k, v, m: (k, v, m.reshape(-1)),
+                      r"block_mapping must be \[num_pairs, 2\]"),
+    "mapping range": (lambda k, v, m: (k, v, _set_row(m, 1, 23)), "expected 0 <= id < 23"),
+    "negative id": (lambda k, v, m: (k, v, _set_row(m, 0, -1)), "expected 0 <= id < 23"),
     "layer count": (lambda k, v, m: (k, v[:-1], m), "one tensor per layer each"),
     "layer shape": (lambda k, v, m: (k[:-1] + [k[-1][:5]], v[:-1] + [v[-1][:5]], m),
                     "layer 2 differs"),
@@ -94,5 +100,5 @@ def test_rejects_bad_input(backend, case):
     before = [t.clone() for t in keys + values]
     with pytest.raises(RuntimeError, match=message):
         backend.ops.copy_blocks(*args)
-    for got, want in zip(keys + values, before):
+    for got, want in zip(keys + values, before, strict=True):
         assert_same_bits(got, want)

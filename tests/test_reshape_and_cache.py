@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from pagedkv import reference
+
 from helpers import (
     FLOAT_DTYPES,
     FP8_DTYPES,
@@ -13,8 +16,6 @@ from helpers import (
     make_caches,
     unique_slots,
 )
-
-from pagedkv import reference
 
 
 def run_case(backend, *, dtype, cache_dtype, layout, block_size, head_size, num_kv_heads=3,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers import FLOAT_DTYPES, FP8_DTYPES, LAYOUTS, assert_same_bits, make_caches
 
 
