@@ -1,6 +1,12 @@
-// The pagedkv._simt extension module. Importing it loads the library, which registers the
-// emulated kernels' torch ops (TORCH_LIBRARY blocks in this directory's other files).
+// The pagedkv._simt extension module: torch.ops.pagedkv_simt, the op schemas of pagedkv
+// (csrc/schemas.h) implemented by the CUDA kernel source run on the emulator for CPU tensors
+// (cache_ops.cpp), and torch.ops.pagedkv_simt_test, the emulator's controls and self-tests
+// (selftest_ops.cpp). Importing the module loads the library, which registers them.
 #include <Python.h>
+
+#include "schemas.h"
+
+TORCH_LIBRARY(pagedkv_simt, m) { pagedkv::define_schemas(m); }
 
 extern "C" PyMODINIT_FUNC PyInit__simt() {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_simt",
