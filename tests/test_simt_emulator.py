@@ -83,7 +83,9 @@ def test_vector_loads_16_bytes(order, dtype):
     assert torch.equal(sums, expected)
 
 
-@pytest.mark.parametrize("grid,block", [((3, 2, 2), (4, 2, 3)), ((1, 1, 1), (1, 1, 1)), ((2, 1, 3), (32, 1, 2))])
+@pytest.mark.parametrize(
+    "grid,block", [((3, 2, 2), (4, 2, 3)), ((1, 1, 1), (1, 1, 1)), ((2, 1, 3), (32, 1, 2))]
+)
 def test_3d_grid_and_block(order, grid, block):
     out = ops.grid3d(list(grid), list(block))
 
@@ -178,7 +180,9 @@ def test_fault_diagnostics(order, name):
 
 
 def test_controls_reject_bad_values():
-    with pytest.raises(RuntimeError, match="order must be forward, reverse or random, not 'sideways'"):
+    with pytest.raises(
+        RuntimeError, match="order must be forward, reverse or random, not 'sideways'"
+    ):
         ops.set_order("sideways", 0)
     with pytest.raises(RuntimeError, match="workers must be at least 1, got 0"):
         ops.set_workers(0)
@@ -201,7 +205,11 @@ def test_random_order_is_deterministic_per_seed():
 
 
 def test_environment_sets_the_controls():
-    env = dict(os.environ, PAGEDKV_SIMT_ORDER="reverse", PAGEDKV_SIMT_SEED="7", PAGEDKV_SIMT_WORKERS="3")
+    env = dict(
+        os.environ, PAGEDKV_SIMT_ORDER="reverse", PAGEDKV_SIMT_SEED="7", PAGEDKV_SIMT_WORKERS="3"
+    )
     code = "import torch, pagedkv._simt; print(tuple(torch.ops.pagedkv_simt_test.config()))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "('reverse', 7, 3)"

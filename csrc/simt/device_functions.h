@@ -44,7 +44,7 @@ T atomic_update(T* p, F f) {
 
 }  // namespace simt::detail
 
-// ---- barriers and warp collectives ------------------------------------------------------------
+// ---- barriers and warp collectives ---------------------------------------------------------
 
 inline void __syncthreads() { simt::detail::sync_threads(1); }
 inline int __syncthreads_count(int p) {
@@ -85,10 +85,23 @@ inline int __all_sync(unsigned mask, int p) {
   return int(simt::detail::warp_collective(simt::detail::Op::all, mask, p != 0, 0, 32));
 }
 
-// ---- memory --------------------------------------------------------------------------------------
+// ---- memory --------------------------------------------------------------------------------
 
+// Read-only and cache-hinted loads and stores: plain accesses on the host.
 template <typename T>
 T __ldg(const T* p) { return *p; }
+template <typename T>
+T __ldcg(const T* p) { return *p; }
+template <typename T>
+T __ldcs(const T* p) { return *p; }
+template <typename T>
+T __ldlu(const T* p) { return *p; }
+template <typename T>
+void __stcg(T* p, T v) { *p = v; }
+template <typename T>
+void __stcs(T* p, T v) { *p = v; }
+template <typename T>
+void __stwt(T* p, T v) { *p = v; }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 [[noreturn]] inline void __trap() { simt::detail::fail("__trap() called"); }
@@ -100,8 +113,12 @@ inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
   inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }              \
   inline T atomicXor(T* p, T v) { return __atomic_fetch_xor(p, v, __ATOMIC_RELAXED); }            \
   inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }          \
-  inline T atomicMax(T* p, T v) { return simt::detail::atomic_update(p, [v](T o) { return o < v ? v : o; }); } \
-  inline T atomicMin(T* p, T v) { return simt::detail::atomic_update(p, [v](T o) { return v < o ? v : o; }); } \
+  inline T atomicMax(T* p, T v) {                                                                \
+    return simt::detail::atomic_update(p, [v](T o) { return o < v ? v : o; });                    \
+  }                                                                                               \
+  inline T atomicMin(T* p, T v) {                                                                \
+    return simt::detail::atomic_update(p, [v](T o) { return v < o ? v : o; });                    \
+  }                                                                                               \
   inline T atomicCAS(T* p, T compare, T v) {                                                      \
     __atomic_compare_exchange_n(p, &compare, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);       \
     return compare;                                                                               \
@@ -113,10 +130,20 @@ SIMT_ATOMIC_INT(long long)
 #undef SIMT_ATOMIC_INT
 
 #define SIMT_ATOMIC_FLOAT(T)                                                                      \
-  inline T atomicAdd(T* p, T v) { return simt::detail::atomic_update(p, [v](T o) { return o + v; }); } \
-  inline T atomicMax(T* p, T v) { return simt::detail::atomic_update(p, [v](T o) { return std::fmax(o, v); }); } \
-  inline T atomicMin(T* p, T v) { return simt::detail::atomic_update(p, [v](T o) { return std::fmin(o, v); }); } \
-  inline T atomicExch(T* p, T v) { T old; __atomic_exchange(p, &v, &old, __ATOMIC_RELAXED); return old; }
+  inline T atomicAdd(T* p, T v) {                                                                \
+    return simt::detail::atomic_update(p, [v](T o) { return o + v; });                            \
+  }                                                                                               \
+  inline T atomicMax(T* p, T v) {                                                                \
+    return simt::detail::atomic_update(p, [v](T o) { return std::fmax(o, v); });                  \
+  }                                                                                               \
+  inline T atomicMin(T* p, T v) {                                                                \
+    return simt::detail::atomic_update(p, [v](T o) { return std::fmin(o, v); });                  \
+  }                                                                                               \
+  inline T atomicExch(T* p, T v) {                                                               \
+    T old;                                                                                        \
+    __atomic_exchange(p, &v, &old, __ATOMIC_RELAXED);                                             \
+    return old;                                                                                   \
+  }
 SIMT_ATOMIC_FLOAT(float)
 SIMT_ATOMIC_FLOAT(double)
 #undef SIMT_ATOMIC_FLOAT
@@ -171,7 +198,7 @@ inline int __float2int_rn(float x) { return int(std::nearbyint(x)); }
 inline int __float2int_rz(float x) { return int(x); }
 inline unsigned __float2uint_rn(float x) { return unsigned(std::nearbyint(x)); }
 
-// ---- bits and integer ---------------------------------------------------------------------------
+// ---- bits and integer ----------------------------------------------------------------------
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }

@@ -8,7 +8,9 @@
 #include <cuda_fp16.h>
 
 #define SIMT_HALF_MATH(H, H2, TO_FLOAT, FROM_FLOAT)                                              \
-  inline H __hfma(H a, H b, H c) { return FROM_FLOAT(std::fma(TO_FLOAT(a), TO_FLOAT(b), TO_FLOAT(c))); } \
+  inline H __hfma(H a, H b, H c) {                                                              \
+    return FROM_FLOAT(std::fma(TO_FLOAT(a), TO_FLOAT(b), TO_FLOAT(c)));                         \
+  }                                                                                             \
   inline H2 __hfma2(H2 a, H2 b, H2 c) { return H2(__hfma(a.x, b.x, c.x), __hfma(a.y, b.y, c.y)); } \
   inline H hexp(H x) { return FROM_FLOAT(std::exp(TO_FLOAT(x))); }                              \
   inline H hexp2(H x) { return FROM_FLOAT(std::exp2(TO_FLOAT(x))); }                            \

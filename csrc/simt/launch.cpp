@@ -120,7 +120,9 @@ void check_launch(const detail::LaunchInfo& l) {
   if (b.z > 64) bad = "blockDim.z " + std::to_string(b.z) + " exceeds 64";
   if (g.y > 65535 || g.z > 65535) bad = "gridDim.y and gridDim.z must be at most 65535";
   if (g.x > 0x7fffffffu) bad = "gridDim.x exceeds 2^31 - 1";
-  if (l.smem > 227 * 1024) bad = "dynamic shared memory of " + std::to_string(l.smem) + " bytes exceeds 227 KiB";
+  if (l.smem > 227 * 1024) {
+    bad = "dynamic shared memory of " + std::to_string(l.smem) + " bytes exceeds 227 KiB";
+  }
   if (!bad.empty()) throw Error("simt: kernel " + detail::kernel_name(l.kernel) + ": " + bad);
 }
 
@@ -165,7 +167,8 @@ std::string kernel_name(const void* kernel) {
   return name;
 }
 
-void launch(const void* kernel, dim3 grid, dim3 block, size_t smem, Body body, const void* context) {
+void launch(const void* kernel, dim3 grid, dim3 block, size_t smem, Body body,
+            const void* context) {
   static std::mutex launch_mutex;  // one grid at a time; its blocks spread over the workers
   const LaunchInfo info{kernel, grid, block, smem, body, context, order(), seed()};
   check_launch(info);
@@ -180,7 +183,8 @@ void launch(const void* kernel, dim3 grid, dim3 block, size_t smem, Body body, c
     thread_local BlockRunner runner;
     for (uint64_t i; !failed && (i = next++) < total;) {
       const uint64_t b = block_order(i);
-      const uint3 idx{unsigned(b % grid.x), unsigned(b / grid.x % grid.y), unsigned(b / grid.x / grid.y)};
+      const uint3 idx{unsigned(b % grid.x), unsigned(b / grid.x % grid.y),
+                      unsigned(b / grid.x / grid.y)};
       try {
         runner.run(info, idx, b);
       } catch (const std::exception& e) {

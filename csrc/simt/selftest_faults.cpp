@@ -1,7 +1,7 @@
 // Faulty self-test kernels: each breaks one rule the emulator diagnoses (see selftest.h).
 #include <map>
 
-#include "simt/simt.h"
+#include "kernels/compat.cuh"
 #include "simt/selftest.h"
 
 namespace simt_selftest {
@@ -123,15 +123,16 @@ void run_fault(const std::string& name) {
   if (it == faults().end()) throw simt::Error("run_fault: no fault kernel named '" + name + "'");
   std::vector<float> buf(2048, 1.0f);
   const Fault& f = it->second;
-  ::simt::Launcher(f.kernel, f.grid, f.block, 0, nullptr)(buf.data());
+  PAGEDKV_LAUNCH(f.kernel, f.grid, f.block, 0, nullptr)(buf.data());
 }
 
 void read_past_end(const float* x, float* out, int n) {
-  ::simt::Launcher(read_past_end_kernel, 1, n, 0, nullptr)(x, out);
+  PAGEDKV_LAUNCH(read_past_end_kernel, 1, n, 0, nullptr)(x, out);
 }
 
 void misaligned_vector_load(const void* x, float* out) {
-  ::simt::Launcher(misaligned_vector_load_kernel, 1, 1, 0, nullptr)(static_cast<const __half*>(x), out);
+  auto k = misaligned_vector_load_kernel;
+  PAGEDKV_LAUNCH(k, 1, 1, 0, nullptr)(static_cast<const __half*>(x), out);
 }
 
 std::vector<std::string> fault_names() {

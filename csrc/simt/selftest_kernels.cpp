@@ -1,9 +1,7 @@
-// Correct self-test kernels, written as CUDA source (see selftest.h for shapes).
-#include "simt/simt.h"
+// Correct self-test kernels, written as CUDA source with the project's compat macros
+// (see selftest.h for shapes).
+#include "kernels/compat.cuh"
 #include "simt/selftest.h"
-
-#define SELFTEST_LAUNCH(kernel, grid, block, smem) ::simt::Launcher(kernel, grid, block, smem, nullptr)
-#define SELFTEST_DYNAMIC_SMEM(type, name) type* name = ::simt::dynamic_shared<type>()
 
 // Kernels have external linkage so that messages can name them (dladdr).
 namespace simt_selftest {
@@ -76,7 +74,7 @@ __global__ void transpose_kernel(const float* __restrict__ in,  // [rows, cols]
 
 __global__ void reverse_kernel(const float* __restrict__ in,  // [blocks, n]
                                float* __restrict__ out) {     // [blocks, n]
-  SELFTEST_DYNAMIC_SMEM(float, s);  // [n]
+  PAGEDKV_DYNAMIC_SMEM(float, s);  // [n]
   const int n = blockDim.x, t = threadIdx.x;
   const int64_t base = int64_t(blockIdx.x) * n;
   s[t] = in[base + t];
@@ -85,7 +83,7 @@ __global__ void reverse_kernel(const float* __restrict__ in,  // [blocks, n]
 }
 
 __global__ void read_poison_kernel(uint32_t* __restrict__ out) {  // [blocks, n]
-  SELFTEST_DYNAMIC_SMEM(uint32_t, s);  // [n]
+  PAGEDKV_DYNAMIC_SMEM(uint32_t, s);  // [n]
   const int t = threadIdx.x;
   out[int64_t(blockIdx.x) * blockDim.x + t] = s[t];
   s[t] = t;  // the next block must not see this
@@ -147,7 +145,7 @@ __global__ void atomics_kernel(int32_t* __restrict__ counters) {  // [4]
 
 __global__ void missing_barrier_kernel(const float* __restrict__ in,  // [n]
                                        float* __restrict__ out) {     // [n]
-  SELFTEST_DYNAMIC_SMEM(float, s);  // [n]
+  PAGEDKV_DYNAMIC_SMEM(float, s);  // [n]
   const int n = blockDim.x, t = threadIdx.x;
   s[t] = in[t];
   // A __syncthreads() belongs here: the read below races with the neighbour's write.
@@ -157,7 +155,7 @@ __global__ void missing_barrier_kernel(const float* __restrict__ in,  // [n]
 void block_sum(const float* x, float* out, int blocks, int n, int threads) {
   switch (threads) {
 #define SELFTEST_CASE(T) \
-  case T: SELFTEST_LAUNCH(block_sum_kernel<T>, blocks, T, 0)(x, out, n); return;
+  case T: PAGEDKV_LAUNCH(block_sum_kernel<T>, blocks, T, 0, nullptr)(x, out, n); return;
     SELFTEST_CASE(32) SELFTEST_CASE(64) SELFTEST_CASE(128) SELFTEST_CASE(256)
     SELFTEST_CASE(512) SELFTEST_CASE(1024)
 #undef SELFTEST_CASE
@@ -166,50 +164,50 @@ void block_sum(const float* x, float* out, int blocks, int n, int threads) {
 }
 
 void warp_loop(const float* x, float* group_sums, float* max_sum, int nblocks) {
-  SELFTEST_LAUNCH(warp_loop_kernel, 1, kWarps * 32, 0)(x, group_sums, max_sum, nblocks);
+  PAGEDKV_LAUNCH(warp_loop_kernel, 1, kWarps * 32, 0, nullptr)(x, group_sums, max_sum, nblocks);
 }
 
 void transpose(const float* in, float* out, int rows, int cols) {
   const dim3 grid((cols + kTile - 1) / kTile, (rows + kTile - 1) / kTile), block(kTile, kTileRows);
-  SELFTEST_LAUNCH(transpose_kernel, grid, block, 0)(in, out, rows, cols);
+  PAGEDKV_LAUNCH(transpose_kernel, grid, block, 0, nullptr)(in, out, rows, cols);
 }
 
 void reverse_blocks(const float* in, float* out, int blocks, int n) {
-  SELFTEST_LAUNCH(reverse_kernel, blocks, n, n * sizeof(float))(in, out);
+  PAGEDKV_LAUNCH(reverse_kernel, blocks, n, n * sizeof(float), nullptr)(in, out);
 }
 
 void read_poison(uint32_t* out, int blocks, int n) {
-  SELFTEST_LAUNCH(read_poison_kernel, blocks, n, n * sizeof(uint32_t))(out);
+  PAGEDKV_LAUNCH(read_poison_kernel, blocks, n, n * sizeof(uint32_t), nullptr)(out);
 }
 
 void vector_fma(const void* x, void* y, float* sums, int n_vec, bool bf16) {
   const int threads = 64, blocks = (n_vec + threads - 1) / threads;
   if (bf16) {
     auto k = vector_fma_kernel<__nv_bfloat16, __nv_bfloat162>;
-    SELFTEST_LAUNCH(k, blocks, threads, 0)(static_cast<const __nv_bfloat16*>(x),
-                                           static_cast<__nv_bfloat16*>(y), sums, n_vec);
+    PAGEDKV_LAUNCH(k, blocks, threads, 0, nullptr)(static_cast<const __nv_bfloat16*>(x),
+                                                   static_cast<__nv_bfloat16*>(y), sums, n_vec);
   } else {
     auto k = vector_fma_kernel<__half, __half2>;
-    SELFTEST_LAUNCH(k, blocks, threads, 0)(static_cast<const __half*>(x), static_cast<__half*>(y),
-                                           sums, n_vec);
+    PAGEDKV_LAUNCH(k, blocks, threads, 0, nullptr)(static_cast<const __half*>(x),
+                                                   static_cast<__half*>(y), sums, n_vec);
   }
 }
 
 void grid3d(int32_t* out, const int grid[3], const int block[3]) {
   const dim3 g(grid[0], grid[1], grid[2]), b(block[0], block[1], block[2]);
-  SELFTEST_LAUNCH(grid3d_kernel, g, b, 0)(out);
+  PAGEDKV_LAUNCH(grid3d_kernel, g, b, 0, nullptr)(out);
 }
 
 void votes(const int32_t* pred, uint32_t* out, int threads) {
-  SELFTEST_LAUNCH(votes_kernel, 1, threads, 0)(pred, out);
+  PAGEDKV_LAUNCH(votes_kernel, 1, threads, 0, nullptr)(pred, out);
 }
 
 void atomics(int32_t* counters, int blocks, int threads) {
-  SELFTEST_LAUNCH(atomics_kernel, blocks, threads, 0)(counters);
+  PAGEDKV_LAUNCH(atomics_kernel, blocks, threads, 0, nullptr)(counters);
 }
 
 void missing_barrier(const float* in, float* out, int n) {
-  SELFTEST_LAUNCH(missing_barrier_kernel, 1, n, n * sizeof(float))(in, out);
+  PAGEDKV_LAUNCH(missing_barrier_kernel, 1, n, n * sizeof(float), nullptr)(in, out);
 }
 
 }  // namespace simt_selftest
