@@ -3,6 +3,7 @@
 // Also the controls (order, seed, workers; PAGEDKV_SIMT_* environment) and runtime shims.
 #include <cxxabi.h>
 #include <dlfcn.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
@@ -46,12 +47,18 @@ Settings& settings() {
 }
 
 // Persistent worker threads; the launching thread is worker 0. Never destroyed: its threads
-// sleep until process exit, so no static destructor has to join them.
+// sleep until process exit, so no static destructor has to join them. A forked child has
+// none of them and starts a pool of its own.
 class Pool {
  public:
   static Pool& get() {
-    static Pool* pool = new Pool;
-    return *pool;
+    static const bool registered = [] {
+      pthread_atfork(nullptr, nullptr, [] { instance = nullptr; });
+      return true;
+    }();
+    (void)registered;
+    if (!instance) instance = new Pool;
+    return *instance;
   }
 
   void run(unsigned n, const std::function<void()>& job) {
@@ -86,6 +93,7 @@ class Pool {
     }
   }
 
+  static inline Pool* instance = nullptr;
   std::mutex mutex_;
   std::condition_variable work_, done_;
   std::vector<std::thread> threads_;

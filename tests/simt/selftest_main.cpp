@@ -3,11 +3,13 @@
 // `simt_selftest --env ORDER SEED WORKERS` instead checks that PAGEDKV_SIMT_* were read;
 // `simt_selftest --race` runs a kernel with a missing __syncthreads (for the TSan build),
 // `--oob` and `--misaligned` kernels with memory faults (for the ASan + UBSan build).
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -176,6 +178,21 @@ void check_missing_barrier(const std::string& order) {
   }
 }
 
+// A forked child (whose parent's worker threads do not exist there) launches normally.
+void check_fork() {
+  simt::set_workers(2);
+  std::vector<float> x(4 * 100, 1.0f), out(4);
+  simt_selftest::block_sum(x.data(), out.data(), 4, 100, 64);  // the parent's pool runs
+  const pid_t pid = fork();
+  if (pid == 0) {
+    simt_selftest::block_sum(x.data(), out.data(), 4, 100, 64);
+    _exit(out[3] == 100.0f ? 0 : 1);
+  }
+  int status = -1;
+  waitpid(pid, &status, 0);
+  expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "launch in a forked child");
+}
+
 int check_env(const char* order, const char* seed, const char* workers) {
   static const char* names[] = {"forward", "reverse", "random"};
   expect(names[int(simt::order())] == std::string(order), "PAGEDKV_SIMT_ORDER");
@@ -230,6 +247,7 @@ int main(int argc, char** argv) {
     check_missing_barrier(c.order);
 #endif
   }
+  check_fork();
   std::printf("%s\n", failures ? "simt self-test FAILED" : "simt self-test passed");
   return failures != 0;
 }
