@@ -1,0 +1,440 @@
+"""BlockManager: sequences -> block tables over a paged KV cache, and the batch tensors."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .allocator import NULL_BLOCK, BlockAllocator
+from .cache import PagedKVCache, swap_blocks
+from .errors import (
+    DoubleFreeError,
+    DuplicateSequenceError,
+    FreedSequenceError,
+    OutOfBlocksError,
+    SequenceStateError,
+    UnknownSequenceError,
+)
+from .prefix import PrefixCache
+
+__all__ = ["PAD_BLOCK", "PAD_SLOT", "BatchTensors", "BlockManager"]
+
+PAD_BLOCK = NULL_BLOCK
+"""Padding of block tables past a sequence's last block: block 0, the reserved null block."""
+PAD_SLOT = -1
+"""Padding of slot_mapping: reshape_and_cache skips negative slots."""
+_FREED_IDS_REMEMBERED = 4096
+
+
+@dataclass(slots=True)
+class BatchTensors:
+    """Inputs of the cache ops for one step, in the order of the ``seq_ids`` asked for.
+
+    ``block_tables`` int32 ``[num_seqs, max_blocks]``, padded with ``PAD_BLOCK`` (0);
+    ``seq_lens`` int32 ``[num_seqs]`` (tokens including this step's);
+    ``slot_mapping`` int64 ``[num_tokens]`` (query tokens, ``PAD_SLOT`` -1 for padding);
+    ``query_start_loc`` int32 ``[num_seqs + 1]``; ``max_seq_len``/``max_query_len`` host ints.
+    """
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_seq_len: int
+    max_query_len: int
+
+
+@dataclass(slots=True)
+class _Seq:
+    token_ids: list[int]
+    block_table: list[int]  # device blocks, or CPU blocks while swapped
+    block_hashes: list[bytes]  # chained hash of each full block (prefix caching only)
+    extra_key: Hashable
+    row: int = -1  # row in BlockManager._tables while resident
+    swapped: bool = False
+
+
+class BlockManager:
+    """Block tables of sequences over a device block pool, with an optional CPU pool for swaps.
+
+    Args:
+        cache: the device PagedKVCache; copy-on-write and swaps move its data. Without a cache the
+            manager only does the bookkeeping (give ``num_blocks`` and ``block_size``).
+        num_blocks, block_size: the pool when there is no cache.
+        num_cpu_blocks: size of the CPU pool for ``swap_out`` (0: no swapping).
+        enable_prefix_caching: reuse cached full blocks of identical prefixes.
+        reserve_null_block: keep block 0 out of circulation so that block-table padding (0) never
+            names a live block.
+        debug_nan: fill freshly allocated and freed blocks (and the null block) with NaN, so a read
+            of stale or padding data shows up; fp8 caches use the NaN bit pattern 0x7F.
+
+    Block registration: a block is hashed into the prefix cache when it becomes full, so the
+    caller must write its K/V (``reshape_and_cache`` with this manager's ``slot_mapping``) before
+    another sequence reads it. Copy-on-write pairs are queued and applied with one ``copy_blocks``
+    by ``flush_copies()``, which ``build_batch``, ``free`` and ``swap_out`` call first: build the
+    batch before writing the step's K/V.
+    """
+
+    def __init__(
+        self,
+        cache: PagedKVCache | None = None,
+        *,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        reserve_null_block: bool = True,
+        debug_nan: bool = False,
+    ) -> None:
+        if cache is not None:
+            num_blocks, block_size = cache.num_blocks, cache.spec.block_size
+        if num_blocks is None or block_size is None:
+            raise ValueError("BlockManager needs a cache or both num_blocks and block_size")
+        self.cache, self.block_size = cache, block_size
+        self.debug_nan = debug_nan and cache is not None
+        self.allocator = BlockAllocator(num_blocks, reserve_null_block, "device")
+        self.prefix_cache = (PrefixCache(self.allocator, block_size)
+                             if enable_prefix_caching else None)
+        self.cpu_allocator = BlockAllocator(num_cpu_blocks, name="cpu") if num_cpu_blocks else None
+        self.cpu_cache = None
+        if cache is not None and num_cpu_blocks:
+            pin = cache.device.type == "cuda"
+            self.cpu_cache = PagedKVCache(cache.spec, num_cpu_blocks, "cpu", pin_memory=pin)
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._freed: OrderedDict[Hashable, None] = OrderedDict()
+        self._pending_copies: list[tuple[int, int]] = []
+        self._tables = np.full((64, 16), PAD_BLOCK, dtype=np.int32)
+        self._free_rows = list(range(63, -1, -1))
+        if self.debug_nan and reserve_null_block:
+            cache.fill_blocks([NULL_BLOCK])
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        """Ids of the managed sequences (resident and swapped), in insertion order."""
+        return list(self._seqs)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens of the sequence."""
+        return len(self._get(seq_id).token_ids)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of the sequence's block table (CPU pool block ids while swapped out)."""
+        return list(self._get(seq_id).block_table)
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        """Whether the sequence lives in the CPU pool."""
+        return self._get(seq_id).swapped
+
+    def _get(self, seq_id: Hashable) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            return seq
+        if seq_id in self._freed:
+            raise FreedSequenceError(f"sequence {seq_id!r} was freed")
+        raise UnknownSequenceError(f"unknown sequence {seq_id!r} ({len(self._seqs)} managed)")
+
+    def _resident(self, seq_id: Hashable) -> _Seq:
+        seq = self._get(seq_id)
+        if seq.swapped:
+            raise SequenceStateError(f"sequence {seq_id!r} is swapped out; swap_in first")
+        return seq
+
+    def _check_new_id(self, seq_id: Hashable) -> None:
+        if seq_id in self._seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
+
+    # ---- add / append / fork / free -------------------------------------------------------
+
+    def _plan_prompt(
+        self, token_ids: Sequence[int], extra_key: Hashable
+    ) -> tuple[list[int], list[bytes], int]:
+        """Cached blocks to reuse, their hashes, and the blocks the prompt takes from the pool.
+
+        Only blocks within ``token_ids[:-1]`` are looked up: at least one token is left to compute.
+        """
+        hits, hashes = [], []
+        if self.prefix_cache is not None and token_ids:
+            hits, hashes = self.prefix_cache.match(token_ids, extra_key,
+                                                   (len(token_ids) - 1) // self.block_size)
+        revived = sum(1 for block in hits if self.allocator.ref_counts[block] == 0)
+        return hits, hashes, self._blocks_for(len(token_ids)) - len(hits) + revived
+
+    def can_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> bool:
+        """Whether ``add_sequence(.., token_ids, extra_key)`` would find enough blocks."""
+        return self.allocator.can_allocate(self._plan_prompt(token_ids, extra_key)[2])
+
+    def add_sequence(
+        self, seq_id: Hashable, token_ids: Sequence[int], extra_key: Hashable = None
+    ) -> int:
+        """Add a sequence, reusing the longest run of cached prefix blocks.
+
+        ``extra_key`` (adapter id, cache salt) keeps prompts under different keys apart.
+        Returns the number of cached tokens (a multiple of block_size, less than len(token_ids)):
+        their K/V are already in the cache; the caller computes and writes the rest.
+        """
+        self._check_new_id(seq_id)
+        token_ids = list(token_ids)
+        hits, hashes, needed = self._plan_prompt(token_ids, extra_key)
+        if not self.allocator.can_allocate(needed):
+            raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
+        for block in hits:
+            self.allocator.incref(block)
+        fresh = self._allocate(self._blocks_for(len(token_ids)) - len(hits))
+        seq = _Seq(token_ids, hits + fresh, hashes, extra_key)
+        self._register_full_blocks(seq)
+        self._admit(seq_id, seq)
+        num_cached = len(hits) * self.block_size
+        if self.prefix_cache is not None:
+            self.prefix_cache.record_query(len(token_ids), num_cached)
+        return num_cached
+
+    def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
+        """Whether ``append_tokens`` of ``num_tokens`` tokens would find enough blocks."""
+        needed = self._blocks_to_append(self._resident(seq_id), num_tokens)
+        return self.allocator.can_allocate(needed)
+
+    def _blocks_to_append(self, seq: _Seq, num_tokens: int) -> int:
+        num_old = len(seq.token_ids)
+        new = self._blocks_for(num_old + num_tokens) - len(seq.block_table)
+        cow = num_tokens > 0 and num_old % self.block_size != 0 and self._last_block_shared(seq)
+        return new + cow
+
+    def _last_block_shared(self, seq: _Seq) -> bool:
+        return self.allocator.ref_counts[seq.block_table[-1]] > 1
+
+    def append_tokens(
+        self, seq_id: Hashable, token_ids: int | Sequence[int]
+    ) -> list[tuple[int, int]]:
+        """Append tokens, taking a new block whenever the last is full.
+
+        When the last block is partly filled and shared (after ``fork``), the sequence first gets
+        its own copy of it. Returns the (src, dst) copy-on-write pairs this call queued.
+        """
+        seq = self._resident(seq_id)
+        tokens = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        needed = self._blocks_to_append(seq, len(tokens))
+        if needed and not self.allocator.can_allocate(needed):
+            raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
+        pairs = []
+        if tokens and len(seq.token_ids) % self.block_size and self._last_block_shared(seq):
+            pairs.append(self._copy_on_write(seq))
+        start = len(seq.block_table)
+        total = len(seq.token_ids) + len(tokens)
+        seq.block_table += self._allocate(self._blocks_for(total) - start)
+        seq.token_ids += tokens
+        if len(seq.block_table) > start:
+            self._write_row(seq, start)
+        self._register_full_blocks(seq)
+        return pairs
+
+    def _copy_on_write(self, seq: _Seq) -> tuple[int, int]:
+        src = seq.block_table[-1]
+        (dst,) = self._allocate(1)
+        self.allocator.free([src])
+        seq.block_table[-1] = dst
+        self._write_row(seq, len(seq.block_table) - 1)
+        self._pending_copies.append((src, dst))
+        return src, dst
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Make ``child_id`` a copy of ``parent_id`` sharing all its blocks (copy-on-write)."""
+        parent = self._resident(parent_id)
+        self._check_new_id(child_id)
+        for block in parent.block_table:
+            self.allocator.incref(block)
+        child = _Seq(list(parent.token_ids), list(parent.block_table),
+                     list(parent.block_hashes), parent.extra_key)
+        self._admit(child_id, child)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release a sequence's blocks (cached full blocks stay cached, evictable)."""
+        if seq_id in self._freed and seq_id not in self._seqs:
+            raise DoubleFreeError(f"sequence {seq_id!r} was already freed")
+        seq = self._get(seq_id)
+        self.flush_copies()
+        if seq.swapped:
+            self.cpu_allocator.free(seq.block_table)
+        else:
+            self._release(seq.block_table)
+            self._release_row(seq)
+        del self._seqs[seq_id]
+        self._freed[seq_id] = None
+        if len(self._freed) > _FREED_IDS_REMEMBERED:
+            self._freed.popitem(last=False)
+
+    # ---- swap ------------------------------------------------------------------------------
+
+    def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
+        """Move a sequence to the CPU pool. Returns the (device block, CPU block) pairs copied."""
+        seq = self._resident(seq_id)
+        if self.cpu_allocator is None:
+            raise OutOfBlocksError(len(seq.block_table), 0, "cpu")
+        cpu_blocks = self.cpu_allocator.allocate(len(seq.block_table))
+        self.flush_copies()
+        pairs = list(zip(seq.block_table, cpu_blocks, strict=True))
+        if self.cpu_cache is not None:
+            swap_blocks(self.cache, self.cpu_cache, pairs)
+        self._release(seq.block_table)
+        self._release_row(seq)
+        seq.block_table, seq.swapped = cpu_blocks, True
+        return pairs
+
+    def can_swap_in(self, seq_id: Hashable) -> bool:
+        """Whether the device pool has room for the swapped-out sequence."""
+        return self.allocator.can_allocate(len(self._swapped(seq_id).block_table))
+
+    def _swapped(self, seq_id: Hashable) -> _Seq:
+        seq = self._get(seq_id)
+        if not seq.swapped:
+            raise SequenceStateError(f"sequence {seq_id!r} is not swapped out")
+        return seq
+
+    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
+        """Bring a swapped-out sequence back to the device. Returns the (CPU, device) pairs."""
+        seq = self._swapped(seq_id)
+        device_blocks = self.allocator.allocate(len(seq.block_table))
+        pairs = list(zip(seq.block_table, device_blocks, strict=True))
+        if self.cpu_cache is not None:
+            swap_blocks(self.cpu_cache, self.cache, pairs)
+        self.cpu_allocator.free(seq.block_table)
+        seq.block_table, seq.swapped, seq.block_hashes = device_blocks, False, []
+        self._register_full_blocks(seq)
+        seq.row = self._take_row()
+        self._write_row(seq)
+        return pairs
+
+    # ---- cache data ------------------------------------------------------------------------
+
+    def flush_copies(self) -> list[tuple[int, int]]:
+        """Apply the queued copy-on-write pairs with one ``copy_blocks``; returns them."""
+        pairs, self._pending_copies = self._pending_copies, []
+        if pairs and self.cache is not None:
+            self.cache.copy_blocks(pairs)
+        return pairs
+
+    def evict_cached(self, num_blocks: int | None = None) -> list[int]:
+        """Drop up to ``num_blocks`` (default all) unreferenced cached blocks, LRU first."""
+        evicted = self.allocator.evict(num_blocks)
+        if self.debug_nan:
+            self.cache.fill_blocks(evicted)
+        return evicted
+
+    def _allocate(self, num_blocks: int) -> list[int]:
+        blocks = self.allocator.allocate(num_blocks) if num_blocks else []
+        if self.debug_nan:
+            self.cache.fill_blocks(blocks)
+        return blocks
+
+    def _release(self, blocks: list[int]) -> None:
+        released = self.allocator.free(reversed(blocks))  # the tail is evicted first
+        if self.debug_nan:
+            self.cache.fill_blocks(released)
+
+    def _register_full_blocks(self, seq: _Seq) -> None:
+        if self.prefix_cache is None:
+            return
+        size, hashes = self.block_size, seq.block_hashes
+        for i in range(len(hashes), len(seq.token_ids) // size):
+            tokens = seq.token_ids[i * size:(i + 1) * size]
+            parent = hashes[-1] if hashes else b""
+            hashes.append(self.prefix_cache.register(seq.block_table[i], parent, tokens,
+                                                     seq.extra_key))
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- block-table rows and batch tensors --------------------------------------------------
+
+    def _admit(self, seq_id: Hashable, seq: _Seq) -> None:
+        seq.row = self._take_row()
+        self._write_row(seq)
+        self._seqs[seq_id] = seq
+        self._freed.pop(seq_id, None)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            rows = len(self._tables)
+            self._tables = np.concatenate([self._tables, np.full_like(self._tables, PAD_BLOCK)])
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free_rows.pop()
+
+    def _write_row(self, seq: _Seq, start: int = 0) -> None:
+        width = len(seq.block_table)
+        if width > self._tables.shape[1]:
+            self._grow_columns(width)
+        self._tables[seq.row, start:width] = seq.block_table[start:]
+
+    def _grow_columns(self, width: int) -> None:
+        columns = max(width, 2 * self._tables.shape[1])
+        grown = np.full((len(self._tables), columns), PAD_BLOCK, dtype=np.int32)
+        grown[:, :self._tables.shape[1]] = self._tables
+        self._tables = grown
+
+    def _release_row(self, seq: _Seq) -> None:
+        self._tables[seq.row, :len(seq.block_table)] = PAD_BLOCK
+        self._free_rows.append(seq.row)
+        seq.row = -1
+
+    def build_batch(
+        self,
+        seq_ids: Sequence[Hashable],
+        num_query_tokens: int | Sequence[int] = 1,
+        *,
+        device: torch.device | str | None = None,
+        max_blocks: int | None = None,
+        pad_tokens_to: int | None = None,
+    ) -> BatchTensors:
+        """The batch tensors of resident sequences, after applying queued copy-on-write copies.
+
+        ``num_query_tokens``: this step's tokens per sequence (1 for decode; the last ones of each
+        sequence). ``max_blocks`` fixes the block-table width and ``pad_tokens_to`` the
+        slot_mapping length (padded with -1), e.g. for CUDA graphs.
+        """
+        self.flush_copies()
+        seqs = [self._resident(seq_id) for seq_id in seq_ids]
+        n = len(seqs)
+        rows = np.fromiter((seq.row for seq in seqs), np.intp, n)
+        seq_lens = np.fromiter((len(seq.token_ids) for seq in seqs), np.int32, n)
+        query_lens = np.broadcast_to(np.asarray(num_query_tokens, dtype=np.int32), (n,))
+        if n and (query_lens.min() < 1 or (query_lens > seq_lens).any()):
+            raise ValueError("num_query_tokens must be in [1, seq_len] for every sequence")
+        width = int(-(-seq_lens.max() // self.block_size)) if n else 0
+        if max_blocks is not None:
+            if max_blocks < width:
+                raise ValueError(f"max_blocks={max_blocks} < {width} blocks of a sequence")
+            width = max_blocks
+        if width > self._tables.shape[1]:
+            self._grow_columns(width)
+        query_start_loc = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        slots = self._slot_mapping(rows, seq_lens, query_lens, query_start_loc, pad_tokens_to)
+        arrays = (self._tables[rows, :width], seq_lens, slots, query_start_loc)
+        return BatchTensors(*(torch.from_numpy(a).to(device) for a in arrays),
+                            max_seq_len=int(seq_lens.max()) if n else 0,
+                            max_query_len=int(query_lens.max()) if n else 0)
+
+    def _slot_mapping(self, rows: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+                      query_start_loc: np.ndarray, pad_to: int | None) -> np.ndarray:
+        num_tokens = int(query_start_loc[-1])
+        token_seq = np.repeat(np.arange(len(rows)), query_lens)
+        first_pos = (seq_lens - query_lens).astype(np.int64) - query_start_loc[:-1]
+        positions = first_pos[token_seq] + np.arange(num_tokens)
+        blocks = self._tables[rows[token_seq], positions // self.block_size].astype(np.int64)
+        slots = blocks * self.block_size + positions % self.block_size
+        if pad_to is not None:
+            if pad_to < num_tokens:
+                raise ValueError(f"pad_tokens_to={pad_to} < {num_tokens} query tokens")
+            slots = np.concatenate([slots, np.full(pad_to - num_tokens, PAD_SLOT, np.int64)])
+        return slots
