@@ -1,0 +1,145 @@
+// CPU kernels of the cache ops: multi-threaded with ATen's pool, rows moved with memcpy, fp8
+// quantized with the same saturating round-to-nearest-even as the CUDA kernels.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <limits>
+
+#include "glue/cache_args.h"
+
+namespace pagedkv {
+namespace {
+
+// Bytes a parallel task should move before splitting further.
+constexpr int64_t kTaskBytes = 64 * 1024;
+
+int64_t grain_for(int64_t bytes_per_item) {
+  return std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, bytes_per_item));
+}
+
+template <typename Fp8>
+Fp8 quantize(float x) {
+  const float max = static_cast<float>(std::numeric_limits<Fp8>::max());
+  return Fp8(x > max ? max : (x < -max ? -max : x));  // NaN passes through
+}
+
+template <typename Src, typename Cache>
+void write_row(const Src* src, Cache* dst, int64_t n, float scale) {
+  if constexpr (std::is_same_v<Src, Cache>) {
+    std::memcpy(dst, src, n * sizeof(Src));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = quantize<Cache>(static_cast<float>(src[i]) / scale);
+  }
+}
+
+template <typename Src, typename Cache>
+void reshape_and_cache_typed(const ReshapeAndCacheParams& p) {
+  const float k_scale = p.k_scale ? *p.k_scale : 1.f;
+  const float v_scale = p.v_scale ? *p.v_scale : 1.f;
+  const int64_t token_bytes = 2 * p.num_kv_heads * p.head_size * sizeof(Src);
+  at::parallel_for(0, p.num_tokens, grain_for(token_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = p.slot_mapping[t];
+      if (slot < 0) continue;
+      const int64_t block = slot / p.block_size;
+      const int64_t offset = slot % p.block_size;
+      const Src* key = static_cast<const Src*>(p.key) + t * p.key_token_stride;
+      const Src* value = static_cast<const Src*>(p.value) + t * p.value_token_stride;
+      Cache* key_cache = static_cast<Cache*>(p.key_cache) + block * p.k_strides.block +
+                         offset * p.k_strides.token;
+      Cache* value_cache = static_cast<Cache*>(p.value_cache) + block * p.v_strides.block +
+                           offset * p.v_strides.token;
+      for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+        write_row(key + h * p.key_head_stride, key_cache + h * p.k_strides.head, p.head_size,
+                  k_scale);
+        write_row(value + h * p.value_head_stride, value_cache + h * p.v_strides.head,
+                  p.head_size, v_scale);
+      }
+    }
+  });
+}
+
+template <typename Src>
+void reshape_and_cache_src(const ReshapeAndCacheParams& p) {
+  switch (p.cache_dtype) {
+    case DType::kFp8E4M3: return reshape_and_cache_typed<Src, c10::Float8_e4m3fn>(p);
+    case DType::kFp8E5M2: return reshape_and_cache_typed<Src, c10::Float8_e5m2>(p);
+    default: return reshape_and_cache_typed<Src, Src>(p);
+  }
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                       const c10::optional<at::Tensor>& k_scale,
+                       const c10::optional<at::Tensor>& v_scale) {
+  const ReshapeAndCacheParams p =
+      reshape_and_cache_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+  switch (p.src_dtype) {
+    case DType::kFloat32: return reshape_and_cache_src<float>(p);
+    case DType::kFloat16: return reshape_and_cache_src<c10::Half>(p);
+    default: return reshape_and_cache_src<c10::BFloat16>(p);
+  }
+}
+
+// Copies one block of one cache row by row (a row is one token of one head), or in one piece
+// when the block is stored contiguously in HND order.
+void copy_block(char* cache, const CacheStrides& s, int64_t src, int64_t dst, int32_t heads,
+                int32_t block_size, int32_t row_bytes) {
+  char* from = cache + src * s.block;
+  char* to = cache + dst * s.block;
+  if (s.token == row_bytes && s.head == block_size * s.token) {
+    std::memcpy(to, from, static_cast<size_t>(heads) * block_size * row_bytes);
+    return;
+  }
+  for (int32_t h = 0; h < heads; ++h) {
+    for (int32_t t = 0; t < block_size; ++t) {
+      const int64_t off = h * s.head + t * s.token;
+      std::memcpy(to + off, from + off, row_bytes);
+    }
+  }
+}
+
+void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
+                 const at::Tensor& block_mapping) {
+  for (const CopyBlocksParams& p : copy_blocks_params(key_caches, value_caches, block_mapping)) {
+    const int64_t block_bytes = 2LL * p.num_kv_heads * p.block_size * p.row_bytes;
+    const int64_t items = p.num_pairs * p.num_layers;
+    at::parallel_for(0, items, grain_for(block_bytes), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t pair = i / p.num_layers;
+        const int32_t layer = static_cast<int32_t>(i % p.num_layers);
+        const int64_t src = p.block_mapping[2 * pair];
+        const int64_t dst = p.block_mapping[2 * pair + 1];
+        copy_block(p.key_caches[layer], p.k_strides_bytes, src, dst, p.num_kv_heads,
+                   p.block_size, p.row_bytes);
+        copy_block(p.value_caches[layer], p.v_strides_bytes, src, dst, p.num_kv_heads,
+                   p.block_size, p.row_bytes);
+      }
+    });
+  }
+}
+
+void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
+  TORCH_CHECK(dst.is_cpu(), "swap_blocks: dst must be on the CPU when src is, got ", dst.device());
+  const SwapBlocksParams p = swap_blocks_params(src, dst, block_mapping);
+  at::parallel_for(0, p.num_pairs, grain_for(p.block_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(p.dst + p.block_mapping[2 * i + 1] * p.dst_block_stride_bytes,
+                  p.src + p.block_mapping[2 * i] * p.src_block_stride_bytes, p.block_bytes);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("copy_blocks", &copy_blocks);
+  m.impl("swap_blocks", &swap_blocks);
+}
+
+}  // namespace pagedkv

@@ -1,0 +1,197 @@
+// Cache kernels: reshape_and_cache (write new K/V into their slots), copy_blocks (copy-on-write,
+// every layer in one launch) and swap_blocks (whole blocks between devices).
+//
+// Include from exactly one translation unit per backend (csrc/cuda/cache_kernels.cu for nvcc,
+// csrc/simt/cache_kernels.cpp for the emulator): it defines the launchers of cache_launch.h.
+#pragma once
+#include "kernels/compat.cuh"
+#include "kernels/cache_launch.h"
+#include "kernels/dtypes.cuh"
+
+namespace pagedkv {
+namespace PAGEDKV_KERNEL_NS {
+
+namespace {
+
+bool aligned_to(const void* ptr, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(bytes) == 0;
+}
+
+int threads_for(int64_t work) {
+  const int64_t warps = (work + 31) / 32;
+  return static_cast<int>(warps > 16 ? 512 : (warps < 1 ? 32 : warps * 32));
+}
+
+template <typename Cache, typename Src, int VEC>
+__device__ __forceinline__ Vec<Cache, VEC> to_cache(const Vec<Src, VEC>& in, float scale) {
+  Vec<Cache, VEC> out;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) out.v[i] = from_float<Cache>(to_float(in.v[i]) / scale);
+  return out;
+}
+
+template <typename Src, int VEC>
+__device__ __forceinline__ Vec<Src, VEC> to_cache_same(const Vec<Src, VEC>& in) { return in; }
+
+}  // namespace
+
+// One thread block per token; each thread moves VEC elements of one head of K and of V.
+// grid: (num_tokens), block: up to 512 threads.
+template <typename Src, typename Cache, int VEC>
+__global__ void reshape_and_cache_kernel(const ReshapeAndCacheParams p) {
+  using SrcVec = Vec<Src, VEC>;
+  using CacheVec = Vec<Cache, VEC>;
+  const int64_t token = blockIdx.x;
+  const int64_t slot = p.slot_mapping[token];
+  if (slot < 0) return;
+  const int64_t block = slot / p.block_size;
+  const int64_t offset = slot % p.block_size;
+  const int vecs_per_head = p.head_size / VEC;
+  const int work = p.num_kv_heads * vecs_per_head;
+  float k_scale = 1.f, v_scale = 1.f;
+  if constexpr (is_fp8<Cache>::value) {
+    k_scale = *p.k_scale;
+    v_scale = *p.v_scale;
+  }
+  const Src* key = static_cast<const Src*>(p.key) + token * p.key_token_stride;
+  const Src* value = static_cast<const Src*>(p.value) + token * p.value_token_stride;
+  Cache* key_cache = static_cast<Cache*>(p.key_cache) + block * p.k_strides.block +
+                     offset * p.k_strides.token;
+  Cache* value_cache = static_cast<Cache*>(p.value_cache) + block * p.v_strides.block +
+                       offset * p.v_strides.token;
+  for (int i = threadIdx.x; i < work; i += blockDim.x) {
+    const int head = i / vecs_per_head;
+    const int d = (i % vecs_per_head) * VEC;
+    const SrcVec k = *reinterpret_cast<const SrcVec*>(key + head * p.key_head_stride + d);
+    const SrcVec v = *reinterpret_cast<const SrcVec*>(value + head * p.value_head_stride + d);
+    CacheVec* k_dst = reinterpret_cast<CacheVec*>(key_cache + head * p.k_strides.head + d);
+    CacheVec* v_dst = reinterpret_cast<CacheVec*>(value_cache + head * p.v_strides.head + d);
+    if constexpr (is_fp8<Cache>::value) {
+      *k_dst = to_cache<Cache>(k, k_scale);
+      *v_dst = to_cache<Cache>(v, v_scale);
+    } else {
+      *k_dst = to_cache_same(k);
+      *v_dst = to_cache_same(v);
+    }
+  }
+}
+
+template <typename Src, typename Cache>
+cudaError_t reshape_and_cache_typed(const ReshapeAndCacheParams& p, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(Src);
+  const bool vectorized =
+      p.head_size % kVec == 0 && p.key_token_stride % kVec == 0 && p.key_head_stride % kVec == 0 &&
+      p.value_token_stride % kVec == 0 && p.value_head_stride % kVec == 0 &&
+      p.k_strides.block % kVec == 0 && p.k_strides.head % kVec == 0 &&
+      p.k_strides.token % kVec == 0 && p.v_strides.block % kVec == 0 &&
+      p.v_strides.head % kVec == 0 && p.v_strides.token % kVec == 0 && aligned_to(p.key, 16) &&
+      aligned_to(p.value, 16) && aligned_to(p.key_cache, kVec * sizeof(Cache)) &&
+      aligned_to(p.value_cache, kVec * sizeof(Cache));
+  const dim3 grid(static_cast<unsigned>(p.num_tokens));
+  if (vectorized) {
+    auto kernel = reshape_and_cache_kernel<Src, Cache, kVec>;
+    PAGEDKV_LAUNCH(kernel, grid, threads_for(p.num_kv_heads * (p.head_size / kVec)), 0, stream)(p);
+  } else {
+    auto kernel = reshape_and_cache_kernel<Src, Cache, 1>;
+    PAGEDKV_LAUNCH(kernel, grid, threads_for(p.num_kv_heads * p.head_size), 0, stream)(p);
+  }
+  return cudaGetLastError();
+}
+
+template <typename Src>
+cudaError_t reshape_and_cache_src(const ReshapeAndCacheParams& p, cudaStream_t stream) {
+  switch (p.cache_dtype) {
+    case DType::kFp8E4M3: return reshape_and_cache_typed<Src, fp8_e4m3>(p, stream);
+    case DType::kFp8E5M2: return reshape_and_cache_typed<Src, fp8_e5m2>(p, stream);
+    default: return reshape_and_cache_typed<Src, Src>(p, stream);
+  }
+}
+
+cudaError_t reshape_and_cache(const ReshapeAndCacheParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  switch (p.src_dtype) {
+    case DType::kFloat32: return reshape_and_cache_src<float>(p, stream);
+    case DType::kFloat16: return reshape_and_cache_src<__half>(p, stream);
+    case DType::kBFloat16: return reshape_and_cache_src<__nv_bfloat16>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// One thread block per (pair, layer); threads stride over the Chunk-sized pieces of the block's
+// rows (one row = one token of one head), for K and V.
+// grid: (num_pairs, num_layers), block: up to 512 threads.
+template <typename Chunk>
+__global__ void copy_blocks_kernel(const CopyBlocksParams p) {
+  const int64_t pair = blockIdx.x;
+  const int layer = blockIdx.y;
+  const int64_t src = p.block_mapping[2 * pair];
+  const int64_t dst = p.block_mapping[2 * pair + 1];
+  const int chunks_per_row = p.row_bytes / static_cast<int>(sizeof(Chunk));
+  const int work = p.num_kv_heads * p.block_size * chunks_per_row;
+  char* key_cache = p.key_caches[layer];
+  char* value_cache = p.value_caches[layer];
+  const CacheStrides ks = p.k_strides_bytes;
+  const CacheStrides vs = p.v_strides_bytes;
+  for (int i = threadIdx.x; i < work; i += blockDim.x) {
+    const int row = i / chunks_per_row;
+    const int64_t byte = static_cast<int64_t>(i % chunks_per_row) * sizeof(Chunk);
+    const int head = row / p.block_size;
+    const int token = row % p.block_size;
+    const int64_t k_off = head * ks.head + token * ks.token + byte;
+    const int64_t v_off = head * vs.head + token * vs.token + byte;
+    *reinterpret_cast<Chunk*>(key_cache + dst * ks.block + k_off) =
+        *reinterpret_cast<const Chunk*>(key_cache + src * ks.block + k_off);
+    *reinterpret_cast<Chunk*>(value_cache + dst * vs.block + v_off) =
+        *reinterpret_cast<const Chunk*>(value_cache + src * vs.block + v_off);
+  }
+}
+
+template <typename Chunk>
+cudaError_t copy_blocks_chunked(const CopyBlocksParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.num_pairs), static_cast<unsigned>(p.num_layers));
+  const int work = p.num_kv_heads * p.block_size * (p.row_bytes / static_cast<int>(sizeof(Chunk)));
+  auto kernel = copy_blocks_kernel<Chunk>;
+  PAGEDKV_LAUNCH(kernel, grid, threads_for(work), 0, stream)(p);
+  return cudaGetLastError();
+}
+
+// The widest chunk that divides every row start: 16 bytes for any cache whose rows are 16-byte
+// aligned, down to single bytes for odd fp8 head sizes.
+int chunk_bytes(const CopyBlocksParams& p) {
+  int64_t g = p.row_bytes | p.k_strides_bytes.block | p.k_strides_bytes.head |
+              p.k_strides_bytes.token | p.v_strides_bytes.block | p.v_strides_bytes.head |
+              p.v_strides_bytes.token;
+  for (int l = 0; l < p.num_layers; ++l) {
+    g |= static_cast<int64_t>(reinterpret_cast<uintptr_t>(p.key_caches[l]));
+    g |= static_cast<int64_t>(reinterpret_cast<uintptr_t>(p.value_caches[l]));
+  }
+  for (int bytes = 16; bytes > 1; bytes /= 2) {
+    if (g % bytes == 0) return bytes;
+  }
+  return 1;
+}
+
+cudaError_t copy_blocks(const CopyBlocksParams& p, cudaStream_t stream) {
+  if (p.num_pairs == 0 || p.num_layers == 0) return cudaSuccess;
+  switch (chunk_bytes(p)) {
+    case 16: return copy_blocks_chunked<uint4>(p, stream);
+    case 8: return copy_blocks_chunked<uint2>(p, stream);
+    case 4: return copy_blocks_chunked<uint32_t>(p, stream);
+    case 2: return copy_blocks_chunked<uint16_t>(p, stream);
+    default: return copy_blocks_chunked<uint8_t>(p, stream);
+  }
+}
+
+// One asynchronous copy per block on the given stream; block_mapping is host memory.
+cudaError_t swap_blocks(const SwapBlocksParams& p, cudaMemcpyKind kind, cudaStream_t stream) {
+  for (int64_t i = 0; i < p.num_pairs; ++i) {
+    const char* src = p.src + p.block_mapping[2 * i] * p.src_block_stride_bytes;
+    char* dst = p.dst + p.block_mapping[2 * i + 1] * p.dst_block_stride_bytes;
+    const cudaError_t err = cudaMemcpyAsync(dst, src, p.block_bytes, kind, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace PAGEDKV_KERNEL_NS
+}  // namespace pagedkv

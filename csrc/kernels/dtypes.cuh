@@ -1,0 +1,45 @@
+// Element types and conversions used by the kernels, identical under nvcc and simt.
+#pragma once
+#include "kernels/compat.cuh"
+
+namespace pagedkv {
+
+// fp8 cache elements are raw bytes; the tag type picks the encoding.
+struct fp8_e4m3 { __nv_fp8_storage_t bits; };
+struct fp8_e5m2 { __nv_fp8_storage_t bits; };
+
+template <typename T> struct is_fp8 { static constexpr bool value = false; };
+template <> struct is_fp8<fp8_e4m3> { static constexpr bool value = true; };
+template <> struct is_fp8<fp8_e5m2> { static constexpr bool value = true; };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(fp8_e4m3 x) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.bits, __NV_E4M3)));
+}
+__device__ __forceinline__ float to_float(fp8_e5m2 x) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.bits, __NV_E5M2)));
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+// Saturating round-to-nearest-even, as the reference's clamp-then-cast.
+template <> __device__ __forceinline__ fp8_e4m3 from_float<fp8_e4m3>(float x) {
+  return {__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)};
+}
+template <> __device__ __forceinline__ fp8_e5m2 from_float<fp8_e5m2>(float x) {
+  return {__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2)};
+}
+
+// N elements loaded and stored as one aligned unit (16 bytes for the widest vectors).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+}  // namespace pagedkv

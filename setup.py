@@ -1,0 +1,111 @@
+"""Build pagedkv's native modules.
+
+pagedkv._C     the ops: CPU kernels always; CUDA kernels when torch has CUDA and nvcc is found.
+pagedkv._simt  the same CUDA kernel source compiled as host C++ against the SIMT emulator, for
+               CPU tensors (built whenever the CUDA toolkit headers are found).
+
+Environment switches:
+  PAGEDKV_CUDA=0|1   force the CUDA kernels off or on (default: on when possible)
+  PAGEDKV_SIMT=0|1   force the simt module off or on (default: on when the toolkit is found)
+  TORCH_CUDA_ARCH_LIST  GPU archs to build for (default here "8.0;9.0" when no GPU is visible)
+  MAX_JOBS           parallel compile jobs (default: the number of cores)
+  CUDA_HOME          toolkit root (default: derived from the real path of nvcc)
+"""
+
+import glob
+import os
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent.resolve()
+DEFAULT_ARCHS = "8.0;9.0"
+
+
+def cuda_home() -> str | None:
+    """The toolkit root: $CUDA_HOME, else the first of (nvcc's real location, /usr/local/cuda)
+    that has the runtime headers. /usr/local/bin/nvcc may be a wrapper whose prefix (/usr/local)
+    has no toolkit, which is where torch.utils.cpp_extension would otherwise look."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    candidates = [Path("/usr/local/cuda")]
+    nvcc = shutil.which("nvcc")
+    if nvcc is not None:
+        candidates.insert(0, Path(nvcc).resolve().parent.parent)
+    for root in candidates:
+        if (root / "include" / "cuda_runtime.h").exists() and (root / "bin" / "nvcc").exists():
+            return str(root)
+    return None
+
+
+def switch(name: str, available: bool, why: str) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return available
+    if value == "1" and not available:
+        raise SystemExit(f"{name}=1 but {why}")
+    return value == "1"
+
+
+def sources(*patterns: str) -> list[str]:
+    return sorted(str(p) for pat in patterns for p in ROOT.glob(pat))
+
+
+CUDA_HOME = cuda_home()
+if CUDA_HOME:
+    os.environ["CUDA_HOME"] = CUDA_HOME  # read by torch.utils.cpp_extension at import
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+WITH_CUDA = switch(
+    "PAGEDKV_CUDA",
+    torch.version.cuda is not None and CUDA_HOME is not None,
+    "torch has no CUDA or no CUDA toolkit (nvcc) was found",
+)
+WITH_SIMT = switch(
+    "PAGEDKV_SIMT",
+    CUDA_HOME is not None and Path(CUDA_HOME, "include", "cuda_fp16.h").exists(),
+    "the CUDA toolkit headers were not found",
+)
+if WITH_CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+    os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+
+CXX_FLAGS = ["-O3", "-std=c++20", "-Wall", "-Wno-unknown-pragmas"]
+NVCC_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+SIMT_FLAGS = [
+    "-std=c++20", "-O1", "-g", "-fno-strict-aliasing", "-UNDEBUG", "-Wno-unknown-pragmas",
+    "-pthread",
+]
+
+
+def c_extension() -> cpp_extension.CppExtension:
+    srcs = sources("csrc/bindings.cpp", "csrc/cpu/*.cpp")
+    common = dict(name="pagedkv._C", include_dirs=[str(ROOT / "csrc")])
+    if not WITH_CUDA:
+        return cpp_extension.CppExtension(sources=srcs, extra_compile_args=CXX_FLAGS, **common)
+    srcs += sources("csrc/cuda/*.cpp", "csrc/cuda/*.cu")
+    flags = {"cxx": CXX_FLAGS + ["-DPAGEDKV_WITH_CUDA"], "nvcc": NVCC_FLAGS}
+    return cpp_extension.CUDAExtension(sources=srcs, extra_compile_args=flags, **common)
+
+
+def simt_extension() -> cpp_extension.CppExtension:
+    return cpp_extension.CppExtension(
+        name="pagedkv._simt",
+        sources=sources("csrc/simt/*.cpp"),
+        include_dirs=[str(ROOT / "csrc"), str(Path(CUDA_HOME, "include"))],
+        extra_compile_args=SIMT_FLAGS,
+        extra_link_args=["-pthread"],
+    )
+
+
+extensions = [c_extension()]
+if WITH_SIMT and glob.glob(str(ROOT / "csrc/simt/*.cpp")):
+    extensions.append(simt_extension())
+
+setup(
+    ext_modules=extensions,
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
