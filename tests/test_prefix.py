@@ -45,7 +45,7 @@ def test_extra_key_separates_prompts():
 
 def test_a_hash_collision_is_caught_by_token_comparison(monkeypatch):
     cache = PrefixCache(BlockAllocator(16), BLOCK)
-    monkeypatch.setattr("pagedkv.prefix.hash_block", lambda parent, tokens, extra=None: b"x")
+    monkeypatch.setattr("pagedkv.prefix._digest", lambda payload: b"x" * 32)
     (block,) = cached_prompt(cache, [1, 2, 3, 4])
     assert cache.match([1, 2, 3, 4])[0] == [block]
     assert cache.match([5, 6, 7, 8])[0] == []

@@ -222,21 +222,31 @@ class BlockManager:
         When the last block is partly filled and shared (after ``fork``), the sequence first gets
         its own copy of it. Returns the (src, dst) copy-on-write pairs this call queued.
         """
-        seq = self._resident(seq_id)
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.swapped:
+            seq = self._resident(seq_id)  # raises
         tokens = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        needed = self._blocks_to_append(seq, len(tokens))
-        if needed and not self.allocator.can_allocate(needed):
+        num_old, table, size = len(seq.token_ids), seq.block_table, self.block_size
+        num_new = num_old + len(tokens)
+        pairs = []
+        if num_new > len(table) * size or (
+                num_old % size and tokens and self.allocator.ref_counts[table[-1]] > 1):
+            pairs = self._make_room(seq, len(tokens))
+        seq.token_ids += tokens
+        if num_new // size != num_old // size:
+            self._register_full_blocks(seq)
+        return pairs
+
+    def _make_room(self, seq: _Seq, num_tokens: int) -> list[tuple[int, int]]:
+        needed = self._blocks_to_append(seq, num_tokens)
+        if not self.allocator.can_allocate(needed):
             raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
         pairs = []
-        if tokens and len(seq.token_ids) % self.block_size and self._last_block_shared(seq):
+        if len(seq.token_ids) % self.block_size and self._last_block_shared(seq):
             pairs.append(self._copy_on_write(seq))
         start = len(seq.block_table)
-        total = len(seq.token_ids) + len(tokens)
-        seq.block_table += self._allocate(self._blocks_for(total) - start)
-        seq.token_ids += tokens
-        if len(seq.block_table) > start:
-            self._write_row(seq, start)
-        self._register_full_blocks(seq)
+        seq.block_table += self._allocate(self._blocks_for(len(seq.token_ids) + num_tokens) - start)
+        self._write_row(seq, start)
         return pairs
 
     def _copy_on_write(self, seq: _Seq) -> tuple[int, int]:
@@ -403,35 +413,45 @@ class BlockManager:
         slot_mapping length (padded with -1), e.g. for CUDA graphs.
         """
         self.flush_copies()
-        seqs = [self._resident(seq_id) for seq_id in seq_ids]
+        try:
+            seqs = [self._seqs[seq_id] for seq_id in seq_ids]
+        except (KeyError, TypeError):
+            seqs = [self._get(seq_id) for seq_id in seq_ids]
         n = len(seqs)
-        rows = np.fromiter((seq.row for seq in seqs), np.intp, n)
-        seq_lens = np.fromiter((len(seq.token_ids) for seq in seqs), np.int32, n)
+        rows = np.fromiter([seq.row for seq in seqs], np.intp, n)
+        if n and rows.min() < 0:
+            seqs = [self._resident(seq_id) for seq_id in seq_ids]
+        seq_lens = np.fromiter([len(seq.token_ids) for seq in seqs], np.int32, n)
         query_lens = np.broadcast_to(np.asarray(num_query_tokens, dtype=np.int32), (n,))
         if n and (query_lens.min() < 1 or (query_lens > seq_lens).any()):
             raise ValueError("num_query_tokens must be in [1, seq_len] for every sequence")
-        width = int(-(-seq_lens.max() // self.block_size)) if n else 0
-        if max_blocks is not None:
-            if max_blocks < width:
-                raise ValueError(f"max_blocks={max_blocks} < {width} blocks of a sequence")
-            width = max_blocks
+        max_seq_len = int(seq_lens.max()) if n else 0
+        width = max(-(-max_seq_len // self.block_size), max_blocks or 0)
+        if max_blocks is not None and max_blocks < width:
+            raise ValueError(f"max_blocks={max_blocks} < {width} blocks of a sequence")
         if width > self._tables.shape[1]:
             self._grow_columns(width)
         query_start_loc = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
         slots = self._slot_mapping(rows, seq_lens, query_lens, query_start_loc, pad_tokens_to)
         arrays = (self._tables[rows, :width], seq_lens, slots, query_start_loc)
-        return BatchTensors(*(torch.from_numpy(a).to(device) for a in arrays),
-                            max_seq_len=int(seq_lens.max()) if n else 0,
+        tensors = [torch.from_numpy(array) for array in arrays]
+        if device is not None:
+            tensors = [tensor.to(device) for tensor in tensors]
+        return BatchTensors(*tensors, max_seq_len=max_seq_len,
                             max_query_len=int(query_lens.max()) if n else 0)
 
     def _slot_mapping(self, rows: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
                       query_start_loc: np.ndarray, pad_to: int | None) -> np.ndarray:
         num_tokens = int(query_start_loc[-1])
-        token_seq = np.repeat(np.arange(len(rows)), query_lens)
-        first_pos = (seq_lens - query_lens).astype(np.int64) - query_start_loc[:-1]
-        positions = first_pos[token_seq] + np.arange(num_tokens)
-        blocks = self._tables[rows[token_seq], positions // self.block_size].astype(np.int64)
+        if num_tokens == len(rows):  # decode: one token per sequence, the last
+            positions = seq_lens.astype(np.int64) - 1
+        else:
+            token_seq = np.repeat(np.arange(len(rows)), query_lens)
+            rows = rows[token_seq]
+            first = (seq_lens - query_lens).astype(np.int64) - query_start_loc[:-1]
+            positions = first[token_seq] + np.arange(num_tokens)
+        blocks = self._tables[rows, positions // self.block_size].astype(np.int64)
         slots = blocks * self.block_size + positions % self.block_size
         if pad_to is not None:
             if pad_to < num_tokens:

@@ -2,9 +2,10 @@
 
 Block i of a sequence is keyed by ``sha256(parent hash, extra key, its block_size tokens)`` where
 the parent hash is block i-1's key. A lookup walks a prompt's full blocks and stops at the first
-miss; a hit also compares the stored (parent hash, extra key, tokens) with the asked ones, so even a
-hash collision cannot hand one prompt another prompt's K/V. Blocks nobody references stay cached
-in the allocator's evictable queue and are evicted least recently freed first.
+miss; a hit also compares the stored encoding of (parent hash, extra key, tokens) and the extra
+key with the asked ones, so even a hash collision cannot hand one prompt another prompt's K/V.
+Blocks nobody references stay cached in the allocator's evictable queue and are evicted least
+recently freed first.
 """
 
 from __future__ import annotations
@@ -16,25 +17,35 @@ from dataclasses import dataclass
 
 from .allocator import BlockAllocator
 
-__all__ = ["PrefixCache", "PrefixCacheStats", "hash_block"]
+__all__ = ["PrefixCache", "PrefixCacheStats", "encode_block", "hash_block"]
 
-BlockKey = tuple[bytes, Hashable, tuple[int, ...]]
+_ROOT = bytes(32)
+
+
+def encode_block(
+    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: Hashable = None
+) -> bytes:
+    """The stable byte encoding of a block that ``hash_block`` hashes.
+
+    Parent hash (32 bytes, zeros for the first block), then the length and bytes of
+    ``repr(extra_key)``, then the tokens as little-endian int64. ``extra_key`` (adapter id, cache
+    salt, ...) should be built from str, int, bytes, tuples and None, whose repr is stable across
+    processes.
+    """
+    extra = repr(extra_key).encode()
+    return struct.pack(f"<32sQ{len(extra)}s{len(token_ids)}q", parent_hash or _ROOT,
+                       len(extra), extra, *token_ids)
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.sha256(payload).digest()
 
 
 def hash_block(
     parent_hash: bytes | None, token_ids: Sequence[int], extra_key: Hashable = None
 ) -> bytes:
-    """sha256 of (parent hash, extra key, tokens) in a stable encoding: 32 bytes.
-
-    ``extra_key`` (adapter id, cache salt, ...) is encoded by its ``repr``, so it should be built
-    from str, int, bytes, tuples and None, whose repr is stable across processes.
-    """
-    digest = hashlib.sha256(parent_hash or b"\0" * 32)
-    extra = repr(extra_key).encode()
-    digest.update(struct.pack("<Q", len(extra)))
-    digest.update(extra)
-    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return digest.digest()
+    """sha256 of ``encode_block(parent_hash, token_ids, extra_key)``: 32 bytes."""
+    return _digest(encode_block(parent_hash, token_ids, extra_key))
 
 
 @dataclass(slots=True)
@@ -64,7 +75,7 @@ class PrefixCache:
         self.allocator, self.block_size = allocator, block_size
         self.stats = PrefixCacheStats()
         self._block_of: dict[bytes, int] = {}
-        self._key_of: dict[int, tuple[bytes, BlockKey]] = {}
+        self._key_of: dict[int, tuple[bytes, bytes, Hashable]] = {}  # hash, encoding, extra key
         allocator.on_evict = self._forget
 
     def __len__(self) -> int:
@@ -90,10 +101,11 @@ class PrefixCache:
         hashes: list[bytes] = []
         parent = b""
         for i in range(limit):
-            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = hash_block(parent, tokens, extra_key)
+            payload = encode_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size],
+                                   extra_key)
+            block_hash = _digest(payload)
             block = self._block_of.get(block_hash)
-            if block is None or self._key_of[block][1] != (parent, extra_key, tokens):
+            if block is None or self._key_of[block][1:] != (payload, extra_key):
                 break
             blocks.append(block)
             hashes.append(block_hash)
@@ -110,11 +122,11 @@ class PrefixCache:
         self, block: int, parent_hash: bytes, token_ids: Sequence[int], extra_key: Hashable = None
     ) -> bytes:
         """Hash a full, used block; cache it unless the hash is cached already. Returns the hash."""
-        tokens = tuple(token_ids)
-        block_hash = hash_block(parent_hash, tokens, extra_key)
+        payload = encode_block(parent_hash, token_ids, extra_key)
+        block_hash = _digest(payload)
         if block_hash not in self._block_of and block not in self._key_of:
             self._block_of[block_hash] = block
-            self._key_of[block] = (block_hash, (parent_hash, extra_key, tokens))
+            self._key_of[block] = (block_hash, payload, extra_key)
             self.allocator.mark_cached(block)
         return block_hash
 
@@ -123,6 +135,6 @@ class PrefixCache:
         return self.allocator.evict(num_blocks)
 
     def _forget(self, block: int) -> None:
-        block_hash, _ = self._key_of.pop(block)
+        block_hash, _, _ = self._key_of.pop(block)
         del self._block_of[block_hash]
         self.stats.evictions += 1
