@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from pagedkv import reference
+from pagedkv.batch import PAD_BLOCK
 from pagedkv.cache import PagedKVCache
 from pagedkv.errors import (
     DoubleFreeError,
@@ -12,7 +13,7 @@ from pagedkv.errors import (
     SequenceStateError,
     UnknownSequenceError,
 )
-from pagedkv.manager import PAD_BLOCK, BlockManager
+from pagedkv.manager import BlockManager
 from pagedkv.spec import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float32)

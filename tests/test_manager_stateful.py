@@ -11,10 +11,11 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedkv import reference
+from pagedkv import ops, reference
+from pagedkv.batch import PAD_BLOCK
 from pagedkv.cache import PagedKVCache
 from pagedkv.errors import DoubleFreeError, FreedSequenceError, OutOfBlocksError
-from pagedkv.manager import PAD_BLOCK, BlockManager
+from pagedkv.manager import BlockManager
 from pagedkv.spec import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float32)
@@ -72,7 +73,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             kv = [expected_kv(*self.seqs[s], layer) for s in seq_ids]
             key = torch.cat([k[len(k) - n:] for (k, _), n in zip(kv, num_new, strict=True)])
             value = torch.cat([v[len(v) - n:] for (_, v), n in zip(kv, num_new, strict=True)])
-            reference.reshape_and_cache(key, value, *self.manager.cache.layer(layer),
+            ops.reshape_and_cache(key, value, *self.manager.cache.layer(layer),
                                         batch.slot_mapping)
 
     @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 12),

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .allocator import NULL_BLOCK, BlockAllocator
+from .batch import BatchTensors, BlockTableRows
 from .cache import PagedKVCache, swap_blocks
 from .errors import (
     DoubleFreeError,
@@ -21,31 +22,9 @@ from .errors import (
 )
 from .prefix import PrefixCache
 
-__all__ = ["PAD_BLOCK", "PAD_SLOT", "BatchTensors", "BlockManager"]
+__all__ = ["BlockManager"]
 
-PAD_BLOCK = NULL_BLOCK
-"""Padding of block tables past a sequence's last block: block 0, the reserved null block."""
-PAD_SLOT = -1
-"""Padding of slot_mapping: reshape_and_cache skips negative slots."""
 _FREED_IDS_REMEMBERED = 4096
-
-
-@dataclass(slots=True)
-class BatchTensors:
-    """Inputs of the cache ops for one step, in the order of the ``seq_ids`` asked for.
-
-    ``block_tables`` int32 ``[num_seqs, max_blocks]``, padded with ``PAD_BLOCK`` (0);
-    ``seq_lens`` int32 ``[num_seqs]`` (tokens including this step's);
-    ``slot_mapping`` int64 ``[num_tokens]`` (query tokens, ``PAD_SLOT`` -1 for padding);
-    ``query_start_loc`` int32 ``[num_seqs + 1]``; ``max_seq_len``/``max_query_len`` host ints.
-    """
-
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    max_seq_len: int
-    max_query_len: int
 
 
 @dataclass(slots=True)
@@ -54,7 +33,7 @@ class _Seq:
     block_table: list[int]  # device blocks, or CPU blocks while swapped
     block_hashes: list[bytes]  # chained hash of each full block (prefix caching only)
     extra_key: Hashable
-    row: int = -1  # row in BlockManager._tables while resident
+    row: int = -1  # row in BlockManager.tables while resident
     swapped: bool = False
 
 
@@ -107,8 +86,7 @@ class BlockManager:
         self._seqs: dict[Hashable, _Seq] = {}
         self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._pending_copies: list[tuple[int, int]] = []
-        self._tables = np.full((64, 16), PAD_BLOCK, dtype=np.int32)
-        self._free_rows = list(range(63, -1, -1))
+        self.tables = BlockTableRows(block_size)
         if self.debug_nan and reserve_null_block:
             cache.fill_blocks([NULL_BLOCK])
 
@@ -246,7 +224,7 @@ class BlockManager:
             pairs.append(self._copy_on_write(seq))
         start = len(seq.block_table)
         seq.block_table += self._allocate(self._blocks_for(len(seq.token_ids) + num_tokens) - start)
-        self._write_row(seq, start)
+        self.tables.write(seq.row, seq.block_table, start)
         return pairs
 
     def _copy_on_write(self, seq: _Seq) -> tuple[int, int]:
@@ -254,7 +232,7 @@ class BlockManager:
         (dst,) = self._allocate(1)
         self.allocator.free([src])
         seq.block_table[-1] = dst
-        self._write_row(seq, len(seq.block_table) - 1)
+        self.tables.write(seq.row, seq.block_table, len(seq.block_table) - 1)
         self._pending_copies.append((src, dst))
         return src, dst
 
@@ -321,8 +299,8 @@ class BlockManager:
         self.cpu_allocator.free(seq.block_table)
         seq.block_table, seq.swapped, seq.block_hashes = device_blocks, False, []
         self._register_full_blocks(seq)
-        seq.row = self._take_row()
-        self._write_row(seq)
+        seq.row = self.tables.take()
+        self.tables.write(seq.row, seq.block_table)
         return pairs
 
     # ---- cache data ------------------------------------------------------------------------
@@ -368,33 +346,13 @@ class BlockManager:
     # ---- block-table rows and batch tensors --------------------------------------------------
 
     def _admit(self, seq_id: Hashable, seq: _Seq) -> None:
-        seq.row = self._take_row()
-        self._write_row(seq)
+        seq.row = self.tables.take()
+        self.tables.write(seq.row, seq.block_table)
         self._seqs[seq_id] = seq
         self._freed.pop(seq_id, None)
 
-    def _take_row(self) -> int:
-        if not self._free_rows:
-            rows = len(self._tables)
-            self._tables = np.concatenate([self._tables, np.full_like(self._tables, PAD_BLOCK)])
-            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
-        return self._free_rows.pop()
-
-    def _write_row(self, seq: _Seq, start: int = 0) -> None:
-        width = len(seq.block_table)
-        if width > self._tables.shape[1]:
-            self._grow_columns(width)
-        self._tables[seq.row, start:width] = seq.block_table[start:]
-
-    def _grow_columns(self, width: int) -> None:
-        columns = max(width, 2 * self._tables.shape[1])
-        grown = np.full((len(self._tables), columns), PAD_BLOCK, dtype=np.int32)
-        grown[:, :self._tables.shape[1]] = self._tables
-        self._tables = grown
-
     def _release_row(self, seq: _Seq) -> None:
-        self._tables[seq.row, :len(seq.block_table)] = PAD_BLOCK
-        self._free_rows.append(seq.row)
+        self.tables.release(seq.row, len(seq.block_table))
         seq.row = -1
 
     def build_batch(
@@ -417,44 +375,9 @@ class BlockManager:
             seqs = [self._seqs[seq_id] for seq_id in seq_ids]
         except (KeyError, TypeError):
             seqs = [self._get(seq_id) for seq_id in seq_ids]
-        n = len(seqs)
-        rows = np.fromiter([seq.row for seq in seqs], np.intp, n)
-        if n and rows.min() < 0:
-            seqs = [self._resident(seq_id) for seq_id in seq_ids]
-        seq_lens = np.fromiter([len(seq.token_ids) for seq in seqs], np.int32, n)
-        query_lens = np.broadcast_to(np.asarray(num_query_tokens, dtype=np.int32), (n,))
-        if n and (query_lens.min() < 1 or (query_lens > seq_lens).any()):
-            raise ValueError("num_query_tokens must be in [1, seq_len] for every sequence")
-        max_seq_len = int(seq_lens.max()) if n else 0
-        width = max(-(-max_seq_len // self.block_size), max_blocks or 0)
-        if max_blocks is not None and max_blocks < width:
-            raise ValueError(f"max_blocks={max_blocks} < {width} blocks of a sequence")
-        if width > self._tables.shape[1]:
-            self._grow_columns(width)
-        query_start_loc = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        slots = self._slot_mapping(rows, seq_lens, query_lens, query_start_loc, pad_tokens_to)
-        arrays = (self._tables[rows, :width], seq_lens, slots, query_start_loc)
-        tensors = [torch.from_numpy(array) for array in arrays]
-        if device is not None:
-            tensors = [tensor.to(device) for tensor in tensors]
-        return BatchTensors(*tensors, max_seq_len=max_seq_len,
-                            max_query_len=int(query_lens.max()) if n else 0)
-
-    def _slot_mapping(self, rows: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
-                      query_start_loc: np.ndarray, pad_to: int | None) -> np.ndarray:
-        num_tokens = int(query_start_loc[-1])
-        if num_tokens == len(rows):  # decode: one token per sequence, the last
-            positions = seq_lens.astype(np.int64) - 1
-        else:
-            token_seq = np.repeat(np.arange(len(rows)), query_lens)
-            rows = rows[token_seq]
-            first = (seq_lens - query_lens).astype(np.int64) - query_start_loc[:-1]
-            positions = first[token_seq] + np.arange(num_tokens)
-        blocks = self._tables[rows, positions // self.block_size].astype(np.int64)
-        slots = blocks * self.block_size + positions % self.block_size
-        if pad_to is not None:
-            if pad_to < num_tokens:
-                raise ValueError(f"pad_tokens_to={pad_to} < {num_tokens} query tokens")
-            slots = np.concatenate([slots, np.full(pad_to - num_tokens, PAD_SLOT, np.int64)])
-        return slots
+        rows = np.fromiter([seq.row for seq in seqs], np.intp, len(seqs))
+        if len(seqs) and rows.min() < 0:
+            seqs = [self._resident(seq_id) for seq_id in seq_ids]  # raises
+        seq_lens = np.fromiter([len(seq.token_ids) for seq in seqs], np.int32, len(seqs))
+        return self.tables.build(rows, seq_lens, num_query_tokens, device=device,
+                                 max_blocks=max_blocks, pad_tokens_to=pad_tokens_to)
