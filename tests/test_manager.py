@@ -19,8 +19,9 @@ from pagedkv.spec import KVCacheSpec
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float32)
 
 
-def make(num_blocks=16, **kwargs) -> BlockManager:
-    return BlockManager(PagedKVCache(SPEC, num_blocks), num_cpu_blocks=8, **kwargs)
+def make(num_blocks=16, combined_kv=False, **kwargs) -> BlockManager:
+    cache = PagedKVCache(SPEC, num_blocks, combined_kv=combined_kv)
+    return BlockManager(cache, num_cpu_blocks=8, **kwargs)
 
 
 def token_kv(seq_tokens: list[int], start: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +123,9 @@ def test_append_takes_a_block_when_the_last_is_full():
     assert_reads_back(manager, "a", tokens)
 
 
-def test_fork_shares_blocks_and_copies_the_last_on_write():
-    manager = make()
+@pytest.mark.parametrize("combined_kv", [False, True])
+def test_fork_shares_blocks_and_copies_the_last_on_write(combined_kv):
+    manager = make(combined_kv=combined_kv)
     tokens = list(range(6))
     add(manager, "parent", tokens)
     manager.fork("parent", "child")
@@ -176,8 +178,9 @@ def test_append_out_of_blocks_changes_nothing():
     assert manager.num_tokens("a") == 4 and manager.block_table("a") == manager.block_table("b")
 
 
-def test_swap_out_and_in_round_trips_the_data():
-    manager = make()
+@pytest.mark.parametrize("combined_kv", [False, True])
+def test_swap_out_and_in_round_trips_the_data(combined_kv):
+    manager = make(combined_kv=combined_kv)
     tokens = list(range(10))
     add(manager, "a", tokens)
     device_table = manager.block_table("a")

@@ -56,6 +56,16 @@ class BlockManager:
     another sequence reads it. Copy-on-write pairs are queued and applied with one ``copy_blocks``
     by ``flush_copies()``, which ``build_batch``, ``free`` and ``swap_out`` call first: build the
     batch before writing the step's K/V.
+
+    Example:
+        >>> spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4)
+        >>> manager = BlockManager(PagedKVCache(spec, num_blocks=64), num_cpu_blocks=16)
+        >>> manager.add_sequence("req-0", prompt_token_ids)  # -> cached tokens to skip
+        >>> batch = manager.build_batch(["req-0"], len(prompt_token_ids))  # prefill
+        >>> # model: ops.reshape_and_cache(k, v, *manager.cache.layer(i), batch.slot_mapping) ...
+        >>> manager.append_tokens("req-0", next_token)
+        >>> batch = manager.build_batch(["req-0"])  # decode: one query token
+        >>> manager.free("req-0")
     """
 
     def __init__(
