@@ -201,6 +201,22 @@ def test_swap_out_and_in_round_trips_the_data(combined_kv):
     assert_reads_back(manager, "a", tokens)
 
 
+def test_swap_in_reuses_prefix_blocks_still_cached():
+    manager = make()
+    tokens = list(range(10))
+    add(manager, "a", tokens)
+    device_table = manager.block_table("a")
+    cpu_table = [cpu for _, cpu in manager.swap_out("a")]
+    assert manager.allocator.num_evictable_blocks == 2  # its two full blocks stay cached
+    assert manager.swap_in("a") == [(cpu_table[2], manager.block_table("a")[2])]
+    assert manager.block_table("a")[:2] == device_table[:2]
+    assert_reads_back(manager, "a", tokens)
+    manager.swap_out("a")
+    manager.evict_cached()
+    assert len(manager.swap_in("a")) == 3
+    assert_reads_back(manager, "a", tokens)
+
+
 def test_swap_needs_room_in_the_cpu_pool():
     manager = BlockManager(PagedKVCache(SPEC, 16), num_cpu_blocks=2)
     add(manager, "a", list(range(12)))

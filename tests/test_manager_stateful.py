@@ -46,7 +46,7 @@ def snapshot(manager: BlockManager):
 class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.manager = BlockManager(PagedKVCache(SPEC, 24), num_cpu_blocks=16)
+        self.manager = BlockManager(PagedKVCache(SPEC, 24), num_cpu_blocks=16, debug_nan=True)
         self.seqs: dict[int, tuple[list[int], object]] = {}
         self.freed: list[int] = []
         self.next_id = 0
@@ -163,8 +163,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         seq_id = data.draw(st.sampled_from(self.swapped()))
         if self.manager.can_swap_in(seq_id):
-            self.manager.swap_in(seq_id)
-            event("swap_in")
+            num_blocks = len(self.manager.block_table(seq_id))
+            copied = len(self.manager.swap_in(seq_id))
+            event("swap_in: " + ("reused cached blocks" if copied < num_blocks else "copied all"))
         else:
             self.expect_out_of_blocks(self.manager.swap_in, seq_id)
 

@@ -57,15 +57,16 @@ class BlockManager:
     by ``flush_copies()``, which ``build_batch``, ``free`` and ``swap_out`` call first: build the
     batch before writing the step's K/V.
 
-    Example:
-        >>> spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4)
-        >>> manager = BlockManager(PagedKVCache(spec, num_blocks=64), num_cpu_blocks=16)
-        >>> manager.add_sequence("req-0", prompt_token_ids)  # -> cached tokens to skip
-        >>> batch = manager.build_batch(["req-0"], len(prompt_token_ids))  # prefill
-        >>> # model: ops.reshape_and_cache(k, v, *manager.cache.layer(i), batch.slot_mapping) ...
-        >>> manager.append_tokens("req-0", next_token)
-        >>> batch = manager.build_batch(["req-0"])  # decode: one query token
-        >>> manager.free("req-0")
+    Example (one request through a serving loop)::
+
+        manager = BlockManager(PagedKVCache(spec, num_blocks=4096), num_cpu_blocks=1024)
+        cached = manager.add_sequence("req-0", prompt)  # tokens whose K/V are already cached
+        batch = manager.build_batch(["req-0"], len(prompt) - cached)  # prefill the rest
+        # model, per layer: ops.reshape_and_cache(k, v, *manager.cache.layer(i),
+        #                                         batch.slot_mapping), then attention
+        manager.append_tokens("req-0", next_token)
+        batch = manager.build_batch(["req-0"])  # decode: one query token per sequence
+        manager.free("req-0")
     """
 
     def __init__(
@@ -291,7 +292,7 @@ class BlockManager:
 
     def can_swap_in(self, seq_id: Hashable) -> bool:
         """Whether the device pool has room for the swapped-out sequence."""
-        return self.allocator.can_allocate(len(self._swapped(seq_id).block_table))
+        return self.allocator.can_allocate(self._plan_swap_in(self._swapped(seq_id))[1])
 
     def _swapped(self, seq_id: Hashable) -> _Seq:
         seq = self._get(seq_id)
@@ -299,15 +300,31 @@ class BlockManager:
             raise SequenceStateError(f"sequence {seq_id!r} is not swapped out")
         return seq
 
+    def _plan_swap_in(self, seq: _Seq) -> tuple[list[int], int]:
+        """Device blocks still cached for the sequence's prefix, and the blocks swap_in takes."""
+        hits = []
+        if self.prefix_cache is not None:
+            hits, _ = self.prefix_cache.match(seq.token_ids, seq.extra_key)
+        revived = sum(1 for block in hits if self.allocator.ref_counts[block] == 0)
+        return hits, len(seq.block_table) - len(hits) + revived
+
     def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
-        """Bring a swapped-out sequence back to the device. Returns the (CPU, device) pairs."""
+        """Bring a swapped-out sequence back to the device. Returns the (CPU, device) pairs copied.
+
+        Blocks of its prefix that are still in the prefix cache are reused, not copied.
+        """
         seq = self._swapped(seq_id)
-        device_blocks = self.allocator.allocate(len(seq.block_table))
-        pairs = list(zip(seq.block_table, device_blocks, strict=True))
+        hits, needed = self._plan_swap_in(seq)
+        if not self.allocator.can_allocate(needed):
+            raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
+        for block in hits:
+            self.allocator.incref(block)
+        fresh = self.allocator.allocate(len(seq.block_table) - len(hits))
+        pairs = list(zip(seq.block_table[len(hits):], fresh, strict=True))
         if self.cpu_cache is not None:
             swap_blocks(self.cpu_cache, self.cache, pairs)
         self.cpu_allocator.free(seq.block_table)
-        seq.block_table, seq.swapped, seq.block_hashes = device_blocks, False, []
+        seq.block_table, seq.swapped, seq.block_hashes = hits + fresh, False, []
         self._register_full_blocks(seq)
         seq.row = self.tables.take()
         self.tables.write(seq.row, seq.block_table)
