@@ -28,20 +28,19 @@ BLOCK = 16
 
 
 def _median_us(step: Callable[[], object], warmup: int, repeat: int) -> tuple[float, float]:
-    """Median wall time and median CPU time of this thread, in microseconds.
+    """Median and minimum wall time of ``step`` in microseconds, after ``warmup`` calls.
 
-    The CPU time leaves out the time the thread waited for a core, so it stays meaningful on a
-    machine busy with other work; on an idle machine the two agree.
+    The minimum is the least disturbed run: on a machine busy with other work it is the better
+    estimate of the cost itself; on an idle machine the two agree.
     """
     for _ in range(warmup):
         step()
-    wall, cpu = [], []
+    times = []
     for _ in range(repeat):
-        start, start_cpu = time.perf_counter(), time.thread_time()
+        start = time.perf_counter()
         step()
-        cpu.append(time.thread_time() - start_cpu)
-        wall.append(time.perf_counter() - start)
-    return statistics.median(wall) * 1e6, statistics.median(cpu) * 1e6
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6, min(times) * 1e6
 
 
 def _running_batch(num_seqs: int, prefix_caching: bool) -> BlockManager:
@@ -85,8 +84,8 @@ def bench_allocations(count: int) -> list[dict]:
         for _ in range(count):
             allocator.free(allocator.allocate(1))
 
-    wall, cpu = _median_us(allocate_and_free, 2, 5)
-    rows = [_row("allocate(1) + free", "pool 4096", count * 1e6 / wall, count * 1e6 / cpu,
+    median, best = _median_us(allocate_and_free, 2, 5)
+    rows = [_row("allocate(1) + free", "pool 4096", count * 1e6 / median, count * 1e6 / best,
                  "allocs/s")]
     prompt = list(range(512))
     for label, make_prompt in (("miss", lambda i: [i, *prompt[1:]]), ("hit", lambda i: prompt)):
@@ -98,15 +97,15 @@ def bench_allocations(count: int) -> list[dict]:
             for i in range(100):
                 manager.free(i)
 
-        wall, cpu = _median_us(add_and_free, 2, 5)
+        median, best = _median_us(add_and_free, 2, 5)
         rows.append(_row(f"add_sequence + free ({label})", "512-token prompt, block 16",
-                         100e6 / wall, 100e6 / cpu, "seqs/s"))
+                         100e6 / median, 100e6 / best, "seqs/s"))
     return rows
 
 
-def _row(name: str, case: str, wall: float, cpu: float, unit: str) -> dict:
-    """``wall``: from wall-clock time; ``cpu``: from this thread's CPU time."""
-    return {"bench": name, "case": case, "wall": round(wall, 2), "cpu": round(cpu, 2),
+def _row(name: str, case: str, median: float, best: float, unit: str) -> dict:
+    """``median`` from the median time over the repeats, ``best`` from the fastest repeat."""
+    return {"bench": name, "case": case, "median": round(median, 2), "best": round(best, 2),
             "unit": unit}
 
 
@@ -119,9 +118,9 @@ def run(num_seqs: int = 256, steps: int = 200, quick: bool = False) -> list[dict
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'bench':<30}{'case':<44}{'wall':>12}{'cpu':>12} unit")
+    print(f"{'bench':<30}{'case':<44}{'median':>12}{'best':>12} unit")
     for row in rows:
-        print(f"{row['bench']:<30}{row['case']:<44}{row['wall']:>12,.1f}{row['cpu']:>12,.1f} "
+        print(f"{row['bench']:<30}{row['case']:<44}{row['median']:>12,.1f}{row['best']:>12,.1f} "
               f"{row['unit']}")
 
 
