@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pagedkv.cache import PagedKVCache, swap_blocks
+from pagedkv.cache import PagedKVCache
 from pagedkv.spec import KVCacheSpec
 
 
@@ -75,7 +75,7 @@ def test_copy_and_swap_blocks_move_every_layer():
     for i, tensor in enumerate((*device.key_caches, *device.value_caches)):
         tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(i)))
     device.copy_blocks([(1, 5), (2, 3)])
-    swap_blocks(device, host, [(5, 0)])
+    device.swap_to(host, [(5, 0)])
     for src, dst in zip(device.key_caches + device.value_caches,
                         host.key_caches + host.value_caches, strict=True):
         assert torch.equal(src[5], src[1]) and torch.equal(src[3], src[2])

@@ -9,7 +9,7 @@ import torch
 from . import ops
 from .spec import KVCacheSpec
 
-__all__ = ["PagedKVCache", "swap_blocks"]
+__all__ = ["PagedKVCache"]
 
 _FP8_NAN_BITS = 0x7F  # float8_e4m3fn and float8_e5m2 both read 0x7F as NaN
 
@@ -95,12 +95,12 @@ class PagedKVCache:
             else:
                 cache.index_fill_(0, index, float("nan"))
 
-
-def swap_blocks(src: PagedKVCache, dst: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
-    """Copy block s of ``src`` to block d of ``dst`` for each (s, d), all layers, K and V."""
-    if not pairs:
-        return
-    mapping = torch.tensor(pairs, dtype=torch.int64)
-    for src_layer, dst_layer in zip(src.key_caches + src.value_caches,
-                                    dst.key_caches + dst.value_caches, strict=True):
-        ops.swap_blocks(src_layer, dst_layer, mapping)
+    def swap_to(self, dst: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy block s of this cache to block d of ``dst`` for each (s, d): all layers, K and V,
+        with ``pagedkv.ops.swap_blocks`` (device <-> CPU, or within one device)."""
+        if not pairs:
+            return
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        for src_layer, dst_layer in zip(self.key_caches + self.value_caches,
+                                        dst.key_caches + dst.value_caches, strict=True):
+            ops.swap_blocks(src_layer, dst_layer, mapping)

@@ -11,7 +11,7 @@ import torch
 
 from .allocator import NULL_BLOCK, BlockAllocator
 from .batch import BatchTensors, BlockTableRows
-from .cache import PagedKVCache, swap_blocks
+from .cache import PagedKVCache
 from .errors import (
     DoubleFreeError,
     DuplicateSequenceError,
@@ -284,7 +284,7 @@ class BlockManager:
         self.flush_copies()
         pairs = list(zip(seq.block_table, cpu_blocks, strict=True))
         if self.cpu_cache is not None:
-            swap_blocks(self.cache, self.cpu_cache, pairs)
+            self.cache.swap_to(self.cpu_cache, pairs)
         self._release(seq.block_table)
         self._release_row(seq)
         seq.block_table, seq.swapped = cpu_blocks, True
@@ -322,7 +322,7 @@ class BlockManager:
         fresh = self.allocator.allocate(len(seq.block_table) - len(hits))
         pairs = list(zip(seq.block_table[len(hits):], fresh, strict=True))
         if self.cpu_cache is not None:
-            swap_blocks(self.cpu_cache, self.cache, pairs)
+            self.cpu_cache.swap_to(self.cache, pairs)
         self.cpu_allocator.free(seq.block_table)
         seq.block_table, seq.swapped, seq.block_hashes = hits + fresh, False, []
         self._register_full_blocks(seq)
