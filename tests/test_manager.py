@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -105,6 +106,16 @@ def test_add_errors_change_nothing():
     assert isinstance(info.value, PagedKVError)
     assert manager.seq_ids == ["a"] and manager.block_table("a") == tables
     assert manager.allocator.num_free_blocks == 2
+
+
+def test_token_ids_may_be_tensors_or_numpy():
+    manager = make()
+    assert manager.add_sequence("a", torch.arange(9)) == 0
+    manager.append_tokens("a", np.int64(9))
+    manager.append_tokens("a", torch.tensor(10))
+    manager.append_tokens("a", np.array([11, 12]))
+    assert manager.add_sequence("b", list(range(13))) == 12
+    assert manager.block_table("b")[:3] == manager.block_table("a")[:3]
 
 
 def test_append_takes_a_block_when_the_last_is_full():

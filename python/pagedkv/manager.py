@@ -27,6 +27,16 @@ __all__ = ["BlockManager"]
 _FREED_IDS_REMEMBERED = 4096
 
 
+def _token_list(token_ids: int | Sequence[int]) -> list[int]:
+    """Token ids as a list of Python ints (from an int, a sequence, an array or a tensor)."""
+    if isinstance(token_ids, int):
+        return [token_ids]
+    if hasattr(token_ids, "tolist"):  # numpy arrays and scalars, torch tensors
+        token_ids = token_ids.tolist()
+        return [token_ids] if isinstance(token_ids, int) else token_ids
+    return list(token_ids)
+
+
 @dataclass(slots=True)
 class _Seq:
     token_ids: list[int]
@@ -174,7 +184,7 @@ class BlockManager:
         their K/V are already in the cache; the caller computes and writes the rest.
         """
         self._check_new_id(seq_id)
-        token_ids = list(token_ids)
+        token_ids = _token_list(token_ids)
         hits, hashes, needed = self._plan_prompt(token_ids, extra_key)
         if not self.allocator.can_allocate(needed):
             raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
@@ -214,7 +224,7 @@ class BlockManager:
         seq = self._seqs.get(seq_id)
         if seq is None or seq.swapped:
             seq = self._resident(seq_id)  # raises
-        tokens = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        tokens = [token_ids] if isinstance(token_ids, int) else _token_list(token_ids)
         num_old, table, size = len(seq.token_ids), seq.block_table, self.block_size
         num_new = num_old + len(tokens)
         pairs = []
