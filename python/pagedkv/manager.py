@@ -97,6 +97,7 @@ class BlockManager:
         self.cache, self.block_size = cache, block_size
         self.debug_nan = debug_nan and cache is not None
         self.allocator = BlockAllocator(num_blocks, reserve_null_block, "device")
+        self._ref_counts = self.allocator.ref_counts  # the allocator updates this list in place
         self.prefix_cache = (PrefixCache(self.allocator, block_size)
                              if enable_prefix_caching else None)
         self.cpu_allocator = BlockAllocator(num_cpu_blocks, name="cpu") if num_cpu_blocks else None
@@ -211,7 +212,7 @@ class BlockManager:
         return new + cow
 
     def _last_block_shared(self, seq: _Seq) -> bool:
-        return self.allocator.ref_counts[seq.block_table[-1]] > 1
+        return self._ref_counts[seq.block_table[-1]] > 1
 
     def append_tokens(
         self, seq_id: Hashable, token_ids: int | Sequence[int]
@@ -224,12 +225,19 @@ class BlockManager:
         seq = self._seqs.get(seq_id)
         if seq is None or seq.swapped:
             seq = self._resident(seq_id)  # raises
-        tokens = [token_ids] if isinstance(token_ids, int) else _token_list(token_ids)
-        num_old, table, size = len(seq.token_ids), seq.block_table, self.block_size
+        num_old, size = len(seq.token_ids), self.block_size
+        if isinstance(token_ids, int):
+            if num_old % size and self._ref_counts[seq.block_table[-1]] == 1:  # decode fast path
+                seq.token_ids.append(token_ids)
+                if (num_old + 1) % size == 0:
+                    self._register_full_blocks(seq)
+                return []
+            token_ids = [token_ids]
+        tokens = _token_list(token_ids)
         num_new = num_old + len(tokens)
         pairs = []
-        if num_new > len(table) * size or (
-                num_old % size and tokens and self.allocator.ref_counts[table[-1]] > 1):
+        if num_new > len(seq.block_table) * size or (
+                num_old % size and tokens and self._last_block_shared(seq)):
             pairs = self._make_room(seq, len(tokens))
         seq.token_ids += tokens
         if num_new // size != num_old // size:
