@@ -289,16 +289,28 @@ def test_many_sequences_grow_the_table_storage():
     assert batch.block_tables[98].tolist() == manager.block_table(99)
 
 
-def test_debug_nan_fills_fresh_and_freed_blocks():
-    manager = make(debug_nan=True)
-    key_cache = manager.cache.key_caches[0]
-    assert key_cache[PAD_BLOCK].isnan().all()
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_debug_nan_fills_fresh_and_freed_blocks(cache_dtype):
+    spec = KVCacheSpec(2, 2, 8, 4, torch.float32, cache_dtype)
+    manager = BlockManager(PagedKVCache(spec, 16), debug_nan=True)
+    key_cache = manager.cache.key_caches[1]
+
+    def nan(block: int) -> torch.Tensor:
+        return key_cache[block].float().isnan()
+
+    assert nan(PAD_BLOCK).all()
     manager.add_sequence("a", list(range(6)))
-    assert all(key_cache[b].isnan().all() for b in manager.block_table("a"))
-    write(manager, "a", list(range(6)), 6)
+    assert all(nan(b).all() for b in manager.block_table("a"))
+    batch = manager.build_batch(["a"], 6)
+    ones = torch.ones(6, 2, 8)
+    scales = manager.cache.k_scales or [None, None]
+    for layer in range(2):
+        reference.reshape_and_cache(ones, ones, *manager.cache.layer(layer), batch.slot_mapping,
+                                    scales[layer], scales[layer])
     full, partial = manager.block_table("a")
+    assert not nan(full).any() and nan(partial)[:, 2:].all()
     manager.free("a")
-    assert not key_cache[full].isnan().any()  # cached: kept for prefix hits
-    assert key_cache[partial].isnan().all()
+    assert not nan(full).any()  # cached: kept for prefix hits
+    assert nan(partial).all()
     assert manager.evict_cached() == [full]
-    assert key_cache[full].isnan().all()
+    assert nan(full).all()

@@ -141,14 +141,18 @@ class BlockAllocator:
         return released
 
     def _check_releasable(self, blocks: list[int]) -> None:
+        counts, size, null = self.ref_counts, self.num_blocks, self.null_block
+        if all(0 <= b < size and b != null and counts[b] for b in blocks) and (
+                len(blocks) < 2 or len(set(blocks)) == len(blocks)):
+            return
         drops: dict[int, int] = {}
         for block in blocks:
             self._check_id(block)
             drops[block] = drops.get(block, 0) + 1
-            if drops[block] > self.ref_counts[block]:
+            if drops[block] > counts[block]:
                 raise DoubleFreeError(
                     f"{self.name} block {block} freed {drops[block]} time(s) with reference "
-                    f"count {self.ref_counts[block]}"
+                    f"count {counts[block]}"
                 )
 
     def _check_id(self, block: int) -> None:
