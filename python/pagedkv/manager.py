@@ -168,12 +168,12 @@ class BlockManager:
         if self.prefix_cache is not None and token_ids:
             hits, hashes = self.prefix_cache.match(token_ids, extra_key,
                                                    (len(token_ids) - 1) // self.block_size)
-        revived = sum(1 for block in hits if self.allocator.ref_counts[block] == 0)
+        revived = sum(1 for block in hits if self._ref_counts[block] == 0)
         return hits, hashes, self._blocks_for(len(token_ids)) - len(hits) + revived
 
     def can_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> bool:
         """Whether ``add_sequence(.., token_ids, extra_key)`` would find enough blocks."""
-        return self.allocator.can_allocate(self._plan_prompt(token_ids, extra_key)[2])
+        return self.allocator.can_allocate(self._plan_prompt(_token_list(token_ids), extra_key)[2])
 
     def add_sequence(
         self, seq_id: Hashable, token_ids: Sequence[int], extra_key: Hashable = None
@@ -323,7 +323,7 @@ class BlockManager:
         hits = []
         if self.prefix_cache is not None:
             hits, _ = self.prefix_cache.match(seq.token_ids, seq.extra_key)
-        revived = sum(1 for block in hits if self.allocator.ref_counts[block] == 0)
+        revived = sum(1 for block in hits if self._ref_counts[block] == 0)
         return hits, len(seq.block_table) - len(hits) + revived
 
     def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
