@@ -18,10 +18,11 @@ from pagedkv.manager import BlockManager
 from pagedkv.spec import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float32)
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
-def make(num_blocks=16, combined_kv=False, **kwargs) -> BlockManager:
-    cache = PagedKVCache(SPEC, num_blocks, combined_kv=combined_kv)
+def make(num_blocks=16, combined_kv=False, device="cpu", **kwargs) -> BlockManager:
+    cache = PagedKVCache(SPEC, num_blocks, device, combined_kv=combined_kv)
     return BlockManager(cache, num_cpu_blocks=8, **kwargs)
 
 
@@ -36,10 +37,12 @@ def token_kv(seq_tokens: list[int], start: int, layer: int) -> tuple[torch.Tenso
 
 
 def write(manager: BlockManager, seq_id, tokens: list[int], num_new: int) -> None:
-    batch = manager.build_batch([seq_id], num_new)
+    device = manager.cache.device
+    batch = manager.build_batch([seq_id], num_new, device=device)
     for layer in range(SPEC.num_layers):
         key, value = token_kv(tokens, len(tokens) - num_new, layer)
-        reference.reshape_and_cache(key, value, *manager.cache.layer(layer), batch.slot_mapping)
+        reference.reshape_and_cache(key.to(device), value.to(device),
+                                    *manager.cache.layer(layer), batch.slot_mapping)
 
 
 def assert_reads_back(manager: BlockManager, seq_id, tokens: list[int]) -> None:
@@ -47,7 +50,7 @@ def assert_reads_back(manager: BlockManager, seq_id, tokens: list[int]) -> None:
     for layer in range(SPEC.num_layers):
         key, value = reference.gather_kv(*manager.cache.layer(layer), table, len(tokens))
         want_key, want_value = token_kv(tokens, 0, layer)
-        assert torch.equal(key, want_key) and torch.equal(value, want_value)
+        assert torch.equal(key.cpu(), want_key) and torch.equal(value.cpu(), want_value)
 
 
 def add(manager: BlockManager, seq_id, tokens: list[int], extra_key=None) -> int:
@@ -134,9 +137,10 @@ def test_append_takes_a_block_when_the_last_is_full():
     assert_reads_back(manager, "a", tokens)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("combined_kv", [False, True])
-def test_fork_shares_blocks_and_copies_the_last_on_write(combined_kv):
-    manager = make(combined_kv=combined_kv)
+def test_fork_shares_blocks_and_copies_the_last_on_write(combined_kv, device):
+    manager = make(combined_kv=combined_kv, device=device)
     tokens = list(range(6))
     add(manager, "parent", tokens)
     manager.fork("parent", "child")
@@ -189,9 +193,10 @@ def test_append_out_of_blocks_changes_nothing():
     assert manager.num_tokens("a") == 4 and manager.block_table("a") == manager.block_table("b")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("combined_kv", [False, True])
-def test_swap_out_and_in_round_trips_the_data(combined_kv):
-    manager = make(combined_kv=combined_kv)
+def test_swap_out_and_in_round_trips_the_data(combined_kv, device):
+    manager = make(combined_kv=combined_kv, device=device)
     tokens = list(range(10))
     add(manager, "a", tokens)
     device_table = manager.block_table("a")
