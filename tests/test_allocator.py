@@ -53,6 +53,11 @@ def test_double_free_changes_nothing():
         allocator.free([a])
 
 
+def test_negative_count_is_rejected():
+    with pytest.raises(ValueError, match="-1"):
+        BlockAllocator(4).allocate(-1)
+
+
 @pytest.mark.parametrize("block", [-1, 4])
 def test_out_of_range_ids_raise(block):
     with pytest.raises(InvalidBlockError):

@@ -85,6 +85,8 @@ class BlockAllocator:
         Free blocks go first, then evictable ones, least recently freed first.
         Raises OutOfBlocksError, changing nothing, when fewer are available.
         """
+        if num_blocks < 0:
+            raise ValueError(f"cannot allocate {num_blocks} blocks")
         if num_blocks > len(self._free) + len(self._evictable):
             raise OutOfBlocksError(num_blocks, self.num_available_blocks, self.name)
         blocks = [self._pop_free() for _ in range(num_blocks)]
