@@ -1,6 +1,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv import reference
 from pagedkv.batch import PAD_BLOCK
@@ -273,6 +275,31 @@ def test_batch_tensors():
     assert decode.block_tables.shape == (2, 3)
     empty = manager.build_batch([])
     assert empty.block_tables.shape == (0, 0) and empty.query_start_loc.tolist() == [0]
+
+
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=6), data=st.data())
+@settings(max_examples=50, deadline=None)
+def test_batch_tensors_match_a_naive_computation(lens, data):
+    manager = BlockManager(num_blocks=128, block_size=4)
+    for seq_id, length in enumerate(lens):  # shared prefixes: tables share their first blocks
+        manager.add_sequence(seq_id, list(range(length)))
+        manager.add_sequence(("gap", seq_id), [99])  # interleave blocks of other sequences
+    order = data.draw(st.permutations(range(len(lens))))
+    query = [data.draw(st.integers(1, lens[i])) for i in order]
+    pad = data.draw(st.integers(0, 3))
+    batch = manager.build_batch(order, query, pad_tokens_to=sum(query) + pad)
+    width = batch.block_tables.shape[1]
+    assert width == max(-(-n // 4) for n in lens)
+    slots, starts = [], [0]
+    for i, q in zip(order, query, strict=True):
+        table = manager.block_table(i)
+        assert batch.block_tables[len(starts) - 1].tolist() == table + [0] * (width - len(table))
+        slots += [table[pos // 4] * 4 + pos % 4 for pos in range(lens[i] - q, lens[i])]
+        starts.append(starts[-1] + q)
+    assert batch.slot_mapping.tolist() == slots + [-1] * pad
+    assert batch.query_start_loc.tolist() == starts
+    assert batch.seq_lens.tolist() == [lens[i] for i in order]
+    assert (batch.max_seq_len, batch.max_query_len) == (max(lens), max(query))
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_query_tokens=3), dict(num_query_tokens=0),

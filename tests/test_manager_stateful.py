@@ -40,13 +40,16 @@ def snapshot(manager: BlockManager):
              for p in pools],
             {s: (manager.block_table(s), manager.num_tokens(s), manager.is_swapped(s))
              for s in manager.seq_ids},
-            len(manager.prefix_cache))
+            len(manager.prefix_cache or ()))
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    manager_options = dict(debug_nan=True)
+
     def __init__(self) -> None:
         super().__init__()
-        self.manager = BlockManager(PagedKVCache(SPEC, 24), num_cpu_blocks=16, debug_nan=True)
+        self.manager = BlockManager(PagedKVCache(SPEC, 24), num_cpu_blocks=16,
+                                    **self.manager_options)
         self.seqs: dict[int, tuple[list[int], object]] = {}
         self.freed: list[int] = []
         self.next_id = 0
@@ -195,7 +198,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def prefix_cache_names_only_live_or_evictable_blocks(self):
         allocator, cache = self.manager.allocator, self.manager.prefix_cache
         cached = [b for b in range(allocator.num_blocks) if allocator.is_cached(b)]
-        assert len(cached) == len(cache)
+        assert len(cached) == len(cache or ())
         assert set(allocator.evictable_blocks()) <= set(cached)
         assert not set(cached) & set(allocator.free_blocks())
 
@@ -223,6 +226,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert batch.slot_mapping[i] == table[block] * SPEC.block_size + offset
 
 
+class PlainBlockManagerMachine(BlockManagerMachine):
+    """No prefix caching, no null block, no NaN fills."""
+
+    manager_options = dict(enable_prefix_caching=False, reserve_null_block=False)
+
+
 BlockManagerMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40,
                                                  deadline=None)
+PlainBlockManagerMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=40,
+                                                      deadline=None)
 test_block_manager = BlockManagerMachine.TestCase
+test_block_manager_without_prefix_caching = PlainBlockManagerMachine.TestCase
