@@ -67,13 +67,11 @@ class BlockManager:
     by ``flush_copies()``, which ``build_batch``, ``free`` and ``swap_out`` call first: build the
     batch before writing the step's K/V.
 
-    Example (one request through a serving loop)::
+    Example (one request; the model writes K/V with ``batch.slot_mapping``)::
 
         manager = BlockManager(PagedKVCache(spec, num_blocks=4096), num_cpu_blocks=1024)
         cached = manager.add_sequence("req-0", prompt)  # tokens whose K/V are already cached
         batch = manager.build_batch(["req-0"], len(prompt) - cached)  # prefill the rest
-        # model, per layer: ops.reshape_and_cache(k, v, *manager.cache.layer(i),
-        #                                         batch.slot_mapping), then attention
         manager.append_tokens("req-0", next_token)
         batch = manager.build_batch(["req-0"])  # decode: one query token per sequence
         manager.free("req-0")
@@ -111,8 +109,6 @@ class BlockManager:
         self.tables = BlockTableRows(block_size)
         if self.debug_nan and reserve_null_block:
             cache.fill_blocks([NULL_BLOCK])
-
-    # ---- queries -------------------------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -155,25 +151,34 @@ class BlockManager:
         if seq_id in self._seqs:
             raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
 
-    # ---- add / append / fork / free -------------------------------------------------------
+    def _prompt_hits(
+        self, token_ids: list[int], extra_key: Hashable
+    ) -> tuple[list[int], list[bytes]]:
+        """Cached blocks to reuse and their hashes, looked up within ``token_ids[:-1]`` so that at
+        least one token is left to compute."""
+        if self.prefix_cache is None or not token_ids:
+            return [], []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        return self.prefix_cache.match(token_ids, extra_key, max_blocks)
 
-    def _plan_prompt(
-        self, token_ids: Sequence[int], extra_key: Hashable
-    ) -> tuple[list[int], list[bytes], int]:
-        """Cached blocks to reuse, their hashes, and the blocks the prompt takes from the pool.
+    def _num_needed(self, hits: list[int], num_blocks: int) -> int:
+        """Blocks the pool gives up for a table of ``num_blocks`` that starts with ``hits``."""
+        return num_blocks - len(hits) + sum(1 for block in hits if self._ref_counts[block] == 0)
 
-        Only blocks within ``token_ids[:-1]`` are looked up: at least one token is left to compute.
-        """
-        hits, hashes = [], []
-        if self.prefix_cache is not None and token_ids:
-            hits, hashes = self.prefix_cache.match(token_ids, extra_key,
-                                                   (len(token_ids) - 1) // self.block_size)
-        revived = sum(1 for block in hits if self._ref_counts[block] == 0)
-        return hits, hashes, self._blocks_for(len(token_ids)) - len(hits) + revived
+    def _take(self, hits: list[int], num_blocks: int) -> list[int]:
+        """Reference ``hits`` and allocate the rest of a ``num_blocks`` table, all or nothing."""
+        needed = self._num_needed(hits, num_blocks)
+        if not self.allocator.can_allocate(needed):
+            raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
+        for block in hits:
+            self.allocator.incref(block)
+        return hits + self._allocate(num_blocks - len(hits))
 
     def can_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> bool:
         """Whether ``add_sequence(.., token_ids, extra_key)`` would find enough blocks."""
-        return self.allocator.can_allocate(self._plan_prompt(_token_list(token_ids), extra_key)[2])
+        token_ids = _token_list(token_ids)
+        hits, _ = self._prompt_hits(token_ids, extra_key)
+        return self.allocator.can_allocate(self._num_needed(hits, self._blocks_for(len(token_ids))))
 
     def add_sequence(
         self, seq_id: Hashable, token_ids: Sequence[int], extra_key: Hashable = None
@@ -186,13 +191,9 @@ class BlockManager:
         """
         self._check_new_id(seq_id)
         token_ids = _token_list(token_ids)
-        hits, hashes, needed = self._plan_prompt(token_ids, extra_key)
-        if not self.allocator.can_allocate(needed):
-            raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
-        for block in hits:
-            self.allocator.incref(block)
-        fresh = self._allocate(self._blocks_for(len(token_ids)) - len(hits))
-        seq = _Seq(token_ids, hits + fresh, hashes, extra_key)
+        hits, hashes = self._prompt_hits(token_ids, extra_key)
+        table = self._take(hits, self._blocks_for(len(token_ids)))
+        seq = _Seq(token_ids, table, hashes, extra_key)
         self._register_full_blocks(seq)
         self._admit(seq_id, seq)
         num_cached = len(hits) * self.block_size
@@ -284,14 +285,11 @@ class BlockManager:
         if seq.swapped:
             self.cpu_allocator.free(seq.block_table)
         else:
-            self._release(seq.block_table)
-            self._release_row(seq)
+            self._release(seq)
         del self._seqs[seq_id]
         self._freed[seq_id] = None
         if len(self._freed) > _FREED_IDS_REMEMBERED:
             self._freed.popitem(last=False)
-
-    # ---- swap ------------------------------------------------------------------------------
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Move a sequence to the CPU pool. Returns the (device block, CPU block) pairs copied."""
@@ -303,14 +301,15 @@ class BlockManager:
         pairs = list(zip(seq.block_table, cpu_blocks, strict=True))
         if self.cpu_cache is not None:
             self.cache.swap_to(self.cpu_cache, pairs)
-        self._release(seq.block_table)
-        self._release_row(seq)
+        self._release(seq)
         seq.block_table, seq.swapped = cpu_blocks, True
         return pairs
 
     def can_swap_in(self, seq_id: Hashable) -> bool:
         """Whether the device pool has room for the swapped-out sequence."""
-        return self.allocator.can_allocate(self._plan_swap_in(self._swapped(seq_id))[1])
+        seq = self._swapped(seq_id)
+        needed = self._num_needed(self._swap_in_hits(seq), len(seq.block_table))
+        return self.allocator.can_allocate(needed)
 
     def _swapped(self, seq_id: Hashable) -> _Seq:
         seq = self._get(seq_id)
@@ -318,13 +317,10 @@ class BlockManager:
             raise SequenceStateError(f"sequence {seq_id!r} is not swapped out")
         return seq
 
-    def _plan_swap_in(self, seq: _Seq) -> tuple[list[int], int]:
-        """Device blocks still cached for the sequence's prefix, and the blocks swap_in takes."""
-        hits = []
-        if self.prefix_cache is not None:
-            hits, _ = self.prefix_cache.match(seq.token_ids, seq.extra_key)
-        revived = sum(1 for block in hits if self._ref_counts[block] == 0)
-        return hits, len(seq.block_table) - len(hits) + revived
+    def _swap_in_hits(self, seq: _Seq) -> list[int]:
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(seq.token_ids, seq.extra_key)[0]
 
     def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Bring a swapped-out sequence back to the device. Returns the (CPU, device) pairs copied.
@@ -332,23 +328,17 @@ class BlockManager:
         Blocks of its prefix that are still in the prefix cache are reused, not copied.
         """
         seq = self._swapped(seq_id)
-        hits, needed = self._plan_swap_in(seq)
-        if not self.allocator.can_allocate(needed):
-            raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
-        for block in hits:
-            self.allocator.incref(block)
-        fresh = self.allocator.allocate(len(seq.block_table) - len(hits))
-        pairs = list(zip(seq.block_table[len(hits):], fresh, strict=True))
+        hits = self._swap_in_hits(seq)
+        table = self._take(hits, len(seq.block_table))
+        pairs = list(zip(seq.block_table[len(hits):], table[len(hits):], strict=True))
         if self.cpu_cache is not None:
             self.cpu_cache.swap_to(self.cache, pairs)
         self.cpu_allocator.free(seq.block_table)
-        seq.block_table, seq.swapped, seq.block_hashes = hits + fresh, False, []
+        seq.block_table, seq.swapped, seq.block_hashes = table, False, []
         self._register_full_blocks(seq)
         seq.row = self.tables.take()
         self.tables.write(seq.row, seq.block_table)
         return pairs
-
-    # ---- cache data ------------------------------------------------------------------------
 
     def flush_copies(self) -> list[tuple[int, int]]:
         """Apply the queued copy-on-write pairs with one ``copy_blocks``; returns them."""
@@ -370,10 +360,13 @@ class BlockManager:
             self.cache.fill_blocks(blocks)
         return blocks
 
-    def _release(self, blocks: list[int]) -> None:
-        released = self.allocator.free(reversed(blocks))  # the tail is evicted first
+    def _release(self, seq: _Seq) -> None:
+        """Drop a resident sequence's references and its block-table row."""
+        released = self.allocator.free(reversed(seq.block_table))  # the tail is evicted first
         if self.debug_nan:
             self.cache.fill_blocks(released)
+        self.tables.release(seq.row, len(seq.block_table))
+        seq.row = -1
 
     def _register_full_blocks(self, seq: _Seq) -> None:
         if self.prefix_cache is None:
@@ -388,17 +381,11 @@ class BlockManager:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # ---- block-table rows and batch tensors --------------------------------------------------
-
     def _admit(self, seq_id: Hashable, seq: _Seq) -> None:
         seq.row = self.tables.take()
         self.tables.write(seq.row, seq.block_table)
         self._seqs[seq_id] = seq
         self._freed.pop(seq_id, None)
-
-    def _release_row(self, seq: _Seq) -> None:
-        self.tables.release(seq.row, len(seq.block_table))
-        seq.row = -1
 
     def build_batch(
         self,
