@@ -159,6 +159,24 @@ def test_fork_shares_blocks_and_copies_the_last_on_write(combined_kv, device):
     assert_reads_back(manager, "parent", parent)
 
 
+@pytest.mark.parametrize("then", ["free parent", "swap out child"])
+def test_queued_copies_run_before_blocks_are_released_or_swapped(then):
+    manager = make(debug_nan=True)
+    tokens = list(range(6))
+    add(manager, "parent", tokens)
+    manager.fork("parent", "child")
+    manager.append_tokens("child", [100])  # queues the copy of the shared last block
+    if then == "free parent":
+        manager.free("parent")  # would NaN-fill the copy's source if the copy had not run
+    else:
+        manager.swap_out("child")  # would swap out the copy's destination before the copy
+        add(manager, "other", [7] * 8)  # takes the blocks the child released
+        manager.swap_in("child")
+        assert_reads_back(manager, "other", [7] * 8)
+    write(manager, "child", [*tokens, 100], 1)
+    assert_reads_back(manager, "child", [*tokens, 100])
+
+
 def test_fork_of_a_full_last_block_needs_no_copy():
     manager = make()
     add(manager, "p", list(range(8)))
