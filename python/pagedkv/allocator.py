@@ -89,7 +89,13 @@ class BlockAllocator:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
         if num_blocks > len(self._free) + len(self._evictable):
             raise OutOfBlocksError(num_blocks, self.num_available_blocks, self.name)
-        blocks = [self._pop_free() for _ in range(num_blocks)]
+        free = self._free
+        if num_blocks <= len(free):  # the common case: no eviction
+            blocks = free[len(free) - num_blocks:]
+            del free[len(free) - num_blocks:]
+            blocks.reverse()  # the order pop() would give
+        else:
+            blocks = [self._pop_free() for _ in range(num_blocks)]
         for block in blocks:
             self.ref_counts[block] = 1
         self._num_used += num_blocks
@@ -144,9 +150,12 @@ class BlockAllocator:
 
     def _check_releasable(self, blocks: list[int]) -> None:
         counts, size, null = self.ref_counts, self.num_blocks, self.null_block
-        if all(0 <= b < size and b != null and counts[b] for b in blocks) and (
-                len(blocks) < 2 or len(set(blocks)) == len(blocks)):
-            return
+        for block in blocks:
+            if not 0 <= block < size or block == null or not counts[block]:
+                break
+        else:
+            if len(blocks) < 2 or len(set(blocks)) == len(blocks):
+                return
         drops: dict[int, int] = {}
         for block in blocks:
             self._check_id(block)
