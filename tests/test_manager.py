@@ -113,6 +113,16 @@ def test_add_errors_change_nothing():
     assert manager.allocator.num_free_blocks == 2
 
 
+def test_usage_counts():
+    manager = make()
+    add(manager, "a", list(range(10)))
+    add(manager, "b", list(range(9)))
+    manager.swap_out("b")
+    assert manager.usage() == {"sequences": 2, "swapped": 1, "used_blocks": 3, "cached_blocks": 0,
+                               "free_blocks": 12, "cpu_used_blocks": 3,
+                               "prefix_hit_rate": 8 / 19}
+
+
 def test_token_ids_may_be_tensors_or_numpy():
     manager = make()
     assert manager.add_sequence("a", torch.arange(9)) == 0

@@ -133,6 +133,18 @@ class BlockManager:
         """Whether the sequence lives in the CPU pool."""
         return self._get(seq_id).swapped
 
+    def usage(self) -> dict[str, float]:
+        """Counts for logs and dashboards: sequences, device blocks used / evictable (cached) /
+        free, CPU blocks used, and the prefix-cache hit rate in tokens."""
+        device, cpu, prefix = self.allocator, self.cpu_allocator, self.prefix_cache
+        return {"sequences": len(self._seqs),
+                "swapped": sum(seq.swapped for seq in self._seqs.values()),
+                "used_blocks": device.num_used_blocks,
+                "cached_blocks": device.num_evictable_blocks,
+                "free_blocks": device.num_free_blocks,
+                "cpu_used_blocks": cpu.num_used_blocks if cpu else 0,
+                "prefix_hit_rate": prefix.stats.hit_rate if prefix else 0.0}
+
     def _get(self, seq_id: Hashable) -> _Seq:
         seq = self._seqs.get(seq_id)
         if seq is not None:
