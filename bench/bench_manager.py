@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -69,9 +70,9 @@ def bench_decode_step(num_seqs: int, steps: int, prefix_caching: bool) -> list[d
     case = f"{num_seqs} seqs, block {BLOCK}, prefix caching {'on' if prefix_caching else 'off'}"
     warmup = max(steps // 10, 5)
     return [
-        _row("decode step (append + batch)", case, *_median_us(step, warmup, steps), "us/step"),
-        _row("  append only", case, *_median_us(append, warmup, steps), "us/step"),
-        _row("  build_batch only", case,
+        _row("decode step", case, *_median_us(step, warmup, steps), "us/step"),
+        _row("decode: append only", case, *_median_us(append, warmup, steps), "us/step"),
+        _row("decode: build_batch only", case,
              *_median_us(lambda: manager.build_batch(seq_ids), warmup, steps), "us/step"),
     ]
 
@@ -134,7 +135,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print_table(rows)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "bench_manager.json"
-    path.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2))
+    machine = {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "torch": torch.__version__}
+    path.write_text(json.dumps({**machine, "rows": rows}, indent=2))
+    print(f"load average {machine['load_average'][0]:.1f} on {machine['cpus']} CPUs")
     print(f"wrote {path}")
     return rows
 
