@@ -32,6 +32,7 @@ class BlockAllocator:
             tables); it is never allocated, freed or counted.
         name: the pool's name in error messages (``"device"``, ``"cpu"``).
 
+    ``ref_counts[b]`` is block b's reference count (read it; change it through the methods).
     ``on_evict(block_id)`` is called when an evictable block is reclaimed (the prefix cache uses it
     to forget the block's hash).
     """
@@ -120,7 +121,7 @@ class BlockAllocator:
         count = self.ref_counts[block]
         if count == 0:
             if block not in self._evictable:
-                raise InvalidBlockError(f"block {block} is free (no content): allocate it instead")
+                raise InvalidBlockError(f"{self.name} block {block} is free: allocate it instead")
             del self._evictable[block]
             self._num_used += 1
         self.ref_counts[block] = count + 1
