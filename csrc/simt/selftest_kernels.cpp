@@ -173,6 +173,15 @@ void transpose(const float* in, float* out, int rows, int cols) {
 }
 
 void reverse_blocks(const float* in, float* out, int blocks, int n) {
+  // What a launcher does before asking for more than 48 KiB (a no-op check here).
+  int device = -1, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess ||
+      cudaFuncSetAttribute(reverse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin) !=
+          cudaSuccess) {
+    throw simt::Error("reverse_blocks: device attribute shims failed");
+  }
   PAGEDKV_LAUNCH(reverse_kernel, blocks, n, n * sizeof(float), nullptr)(in, out);
 }
 
