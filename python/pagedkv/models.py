@@ -55,7 +55,8 @@ MODELS: dict[str, ModelPreset] = {m.name.lower(): m for m in [
     ModelPreset("Mistral-7B", 32, 32, 8, 128, 32768,
                 note="v0.1 attends a 4096-token sliding window; v0.3 does not"),
     ModelPreset("Mixtral-8x7B", 32, 32, 8, 128, 32768),
-    ModelPreset("Qwen2.5-7B", 28, 28, 4, 128, 32768, note="config.json of the base model: 131072; Instruct: 32768 (131072 with YaRN)"),
+    ModelPreset("Qwen2.5-7B", 28, 28, 4, 128, 32768,
+                note="config.json of the base model: 131072; Instruct: 32768 (131072 with YaRN)"),
     ModelPreset("Gemma-2-9B", 42, 16, 8, 256, 8192,
                 note="config.json: float32; every other layer attends a 4096-token sliding "
                      "window, sizes assume full caches on all layers"),
@@ -78,7 +79,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 
 def parse_bytes(text: str | int) -> int:
-    """Bytes from ``"80GiB"``, ``"1.5 GB"``, ``"512MiB"`` or a plain number (GB = 10^9, GiB = 2^30)."""
+    """Bytes from ``"80GiB"``, ``"1.5 GB"``, ``"512MiB"`` or a number (GB = 10^9, GiB = 2^30)."""
     if isinstance(text, int):
         return text
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)

@@ -67,12 +67,12 @@ class StrategyResult:
     steps: int  # steps to drain the trace
     peak_running: int
     mean_running: float  # over all steps
-    mean_running_queued: float  # over the steps where a request was waiting (memory-bound)
+    mean_running_queued: float | None  # over the steps where a request waited (None: none did)
     tokens_per_step: float  # output tokens generated per step
     waste: float  # reserved but unused / reserved, over all steps
     reservation_waste: float  # the part reserved for tokens not (yet) generated
     internal_waste: float  # the part in partly filled last blocks
-    kv_util: float  # tokens stored / budget, over the steps where a request was waiting
+    kv_util: float | None  # tokens stored / budget, over the steps where a request waited
     peak_reserved: int
     preemptions: int
     prefix_hit_rate: float | None  # cached / prompt tokens on first admission (paged+prefix)
@@ -329,18 +329,18 @@ def _result(
     requests: Sequence[Request],
 ) -> StrategyResult:
     steps = len(series["running"])
-    reserved, queued = max(1, totals["reserved"]), max(1, totals["queued_steps"])
+    reserved, queued = max(1, totals["reserved"]), totals["queued_steps"]
     return StrategyResult(
         name=name,
         steps=steps,
         peak_running=max(series["running"], default=0),
         mean_running=sum(series["running"]) / max(1, steps),
-        mean_running_queued=totals["queued_running"] / queued,
+        mean_running_queued=totals["queued_running"] / queued if queued else None,
         tokens_per_step=sum(r.output_len for r in requests) / max(1, steps),
         waste=(totals["reservation"] + totals["internal"]) / reserved,
         reservation_waste=totals["reservation"] / reserved,
         internal_waste=totals["internal"] / reserved,
-        kv_util=totals["util"] / (budget * queued),
+        kv_util=totals["util"] / (budget * queued) if queued else None,
         peak_reserved=max(series["reserved"], default=0),
         preemptions=totals["preemptions"],
         prefix_hit_rate=strategy.hit_rate(),
