@@ -65,6 +65,7 @@ class StrategyResult:
 
     name: str
     steps: int  # steps to drain the trace
+    finished: int  # requests that generated all their tokens
     peak_running: int
     mean_running: float  # over all steps
     mean_running_queued: float | None  # over the steps where a request waited (None: none did)
@@ -237,7 +238,7 @@ def _run(
     running: list[_Running] = []
     series: dict[str, list[int]] = {"reserved": [], "stored": [], "running": []}
     totals = dict(reservation=0, internal=0, reserved=0, util=0, queued_steps=0, queued_running=0,
-                  preemptions=0)
+                  preemptions=0, finished=0)
     step = 0
     while pending or queue or running:
         while pending and pending[0][0] <= step:
@@ -259,6 +260,7 @@ def _run(
         series["stored"].append(stored)
         series["running"].append(len(running))
         finished = _generate(strategy, running)
+        totals["finished"] += finished
         if bar is not None and finished:
             bar.update(finished)
         step += 1
@@ -333,6 +335,7 @@ def _result(
     return StrategyResult(
         name=name,
         steps=steps,
+        finished=totals["finished"],
         peak_running=max(series["running"], default=0),
         mean_running=sum(series["running"]) / max(1, steps),
         mean_running_queued=totals["queued_running"] / queued if queued else None,
