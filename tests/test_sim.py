@@ -130,7 +130,9 @@ def test_simulation_reproducible_and_capped():
 def test_simulation_errors():
     with pytest.raises(SimulationError, match="max_len"):
         simulate([Request(0, 100, 100)], num_blocks=100, max_len=150)
-    with pytest.raises(SimulationError, match="does not fit"):
+    with pytest.raises(SimulationError, match="whole budget"):
+        simulate([Request(0, 1, 1)], num_blocks=4, block_size=16, max_len=128)
+    with pytest.raises(SimulationError, match="paged: request 0 .* does not fit"):
         simulate([Request(0, 100, 100)], num_blocks=4, block_size=16, strategies=["paged"])
     with pytest.raises(ValueError, match="unknown strategy"):
         simulate([Request(0, 1, 1)], num_blocks=4, strategies=["buddy"])

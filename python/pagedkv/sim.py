@@ -206,6 +206,9 @@ def simulate(
     if too_long:
         raise SimulationError(f"{len(too_long)} request(s) (first: {too_long[0]}) exceed max_len "
                               f"{max_len} tokens (prompt + output); raise max_len")
+    if "contiguous-max" in strategies and max_len > num_blocks * block_size:
+        raise SimulationError(f"contiguous-max reserves max_len = {max_len} token slots per "
+                              f"request, more than the whole budget of {num_blocks * block_size}")
     arrivals = arrival_steps(len(requests), arrival_rate, seed)
     return {name: _run(name, _strategy(name, num_blocks, block_size, max_len), requests,
                        arrivals, num_blocks * block_size, max_running, progress)
@@ -244,7 +247,7 @@ def _run(
         while pending and pending[0][0] <= step:
             queue.append(_Running(pending.popleft()[1]))
         totals["preemptions"] += _grow(strategy, running, queue)
-        _admit(strategy, running, queue, max_running, budget)
+        _admit(name, strategy, running, queue, max_running, budget)
         length = sum(run.length for run in running)
         internal = strategy.internal_waste(running)
         reserved = strategy.reserved
@@ -289,6 +292,7 @@ def _grow(strategy: _Contiguous | _Paged, running: list[_Running], queue: deque[
 
 
 def _admit(
+    name: str,
     strategy: _Contiguous | _Paged,
     running: list[_Running],
     queue: deque[_Running],
@@ -300,8 +304,8 @@ def _admit(
         if not strategy.admit(run):
             if not running:
                 raise SimulationError(
-                    f"request {run.req.id} ({run.req.prompt_len} + {run.req.output_len} tokens) "
-                    f"does not fit in an empty budget of {budget} token slots")
+                    f"{name}: request {run.req.id} ({run.req.prompt_len} + {run.req.output_len} "
+                    f"tokens) does not fit in an empty budget of {budget} token slots")
             return
         queue.popleft()
         run.length = run.req.prompt_len + run.generated + 1
