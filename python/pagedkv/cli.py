@@ -100,12 +100,13 @@ def _info_data() -> dict[str, object]:
 def _info(args: argparse.Namespace) -> int:
     d = _info_data()
     yes = {True: "yes", False: "no"}
+    simt = {True: "built", False: "not built"}.get(d["pagedkv._simt"], d["pagedkv._simt"])
     text = "\n".join([
         f"pagedkv        {d['pagedkv']}",
         f"torch          {d['torch']} (CUDA {d['torch_cuda'] or 'none'})",
         f"pagedkv._C     CPU kernels: {yes[d['pagedkv._C']['cpu']]}, "
         f"CUDA kernels: {yes[d['pagedkv._C']['cuda']]}",
-        f"pagedkv._simt  {yes.get(d['pagedkv._simt'], d['pagedkv._simt'])}",
+        f"pagedkv._simt  {simt}",
         f"GPU            {d['gpu'] or 'none'}",
         f"CPU threads    {d['cpu_threads']} (torch) of {d['cpu_count']} CPUs",
     ])
@@ -128,8 +129,10 @@ def _add_size(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's "
                    "max_position_embeddings, or 4096)")
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
-    p.add_argument("--dtype", choices=DTYPES, help="model dtype (default: the preset's, or bf16)")
-    p.add_argument("--cache-dtype", choices=DTYPES, help="cache dtype (default: --dtype)")
+    p.add_argument("--dtype", choices=DTYPES, metavar="DTYPE",
+                   help="model dtype (default: the preset's, or bf16)")
+    p.add_argument("--cache-dtype", choices=DTYPES, metavar="DTYPE",
+                   help="cache dtype: fp16, bf16, fp32, fp8 (e4m3), fp8_e5m2 (default: --dtype)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument("--memory", help="a memory budget for the cache, e.g. 80GiB or 40GB")
 
@@ -221,7 +224,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", default="8GiB",
                    help="the KV budget in bytes of --model's cache (default 8GiB)")
     p.add_argument("--model", default="llama-3-8b", help="model for --memory (default llama-3-8b)")
-    p.add_argument("--cache-dtype", choices=DTYPES, help="cache dtype for --memory")
+    p.add_argument("--cache-dtype", choices=DTYPES, metavar="DTYPE",
+                   help="cache dtype for --memory (default: the model's)")
     p.add_argument("--max-running", type=int, default=0,
                    help="cap on running requests (default 0: none)")
     p.add_argument("--arrival-rate", type=float, default=0.0, help="Poisson arrivals, requests "
