@@ -55,7 +55,7 @@ def test_parse_and_format_bytes():
         parse_bytes("lots")
     assert format_bytes(131072) == "128 KiB" and format_bytes(1000) == "1000 B"
     assert format_bytes(1.5 * GIB) == "1.5 GiB"
-    with pytest.raises(KeyError, match="presets"):
+    with pytest.raises(ValueError, match="presets"):
         get_model("gpt-5")
 
 
@@ -134,6 +134,8 @@ def test_simulation_errors():
         simulate([Request(0, 1, 1)], num_blocks=4, block_size=16, max_len=128)
     with pytest.raises(SimulationError, match="paged: request 0 .* does not fit"):
         simulate([Request(0, 100, 100)], num_blocks=4, block_size=16, strategies=["paged"])
+    with pytest.raises(ValueError, match="unique"):
+        simulate([Request(0, 1, 1), Request(0, 2, 1)], num_blocks=4, strategies=["paged"])
     with pytest.raises(ValueError, match="unknown strategy"):
         simulate([Request(0, 1, 1)], num_blocks=4, strategies=["buddy"])
     assert set(STRATEGIES) == {"contiguous-max", "contiguous-oracle", "paged", "paged+prefix"}

@@ -41,9 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, KeyError, RuntimeError, OSError) as e:
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"pagedkv {args.command}: error: {message}", file=sys.stderr)
+    except (ValueError, OSError, ImportError) as e:  # bad input, unreadable files, no matplotlib
+        print(f"pagedkv {args.command}: error: {e}", file=sys.stderr)
         return 1
 
 
@@ -89,7 +88,8 @@ def _info_data() -> dict[str, object]:
         simt: str | bool = True
     except ImportError as e:
         simt = f"not built ({e})" if not isinstance(e, ModuleNotFoundError) else False
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu = f"{torch.cuda.get_device_name()} (x{gpus})" if gpus else None
     return {"pagedkv": __version__, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
             "pagedkv._C": {"cpu": has("pagedkv::reshape_and_cache", "CPU"),
                            "cuda": has("pagedkv::reshape_and_cache", "CUDA")},
@@ -118,9 +118,8 @@ def _info(args: argparse.Namespace) -> int:
 
 def _add_size(sub: argparse._SubParsersAction) -> None:
     p = _command(sub, "size", _size, "KV cache size of a model preset or given dimensions",
-                 "KV cache size: kv_cache_bytes = 2 (K and V) x layers x kv_heads x head_size x "
-                 "seq_len x batch x bytes per element.\nPresets: "
-                 + ", ".join(m.name for m in MODELS.values()))
+                 "KV cache size: kv_cache_bytes = 2 (K and V) x layers x kv_heads x head_size\n"
+                 "x seq_len x batch x bytes per element. Model presets: see --list-models.")
     p.add_argument("--model", help="a preset (case-insensitive); see --list-models")
     p.add_argument("--list-models", action="store_true", help="list the presets and exit")
     p.add_argument("--layers", type=int, help="attention layers (overrides the preset)")

@@ -65,12 +65,12 @@ MODELS: dict[str, ModelPreset] = {m.name.lower(): m for m in [
 
 
 def get_model(name: str) -> ModelPreset:
-    """The preset named ``name`` (case-insensitive); KeyError listing the presets otherwise."""
+    """The preset named ``name`` (case-insensitive); ValueError listing the presets otherwise."""
     try:
         return MODELS[name.lower()]
     except KeyError:
         names = ", ".join(m.name for m in MODELS.values())
-        raise KeyError(f"unknown model {name!r}; presets: {names}") from None
+        raise ValueError(f"unknown model {name!r}; presets: {names}") from None
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,

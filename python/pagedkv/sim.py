@@ -53,7 +53,7 @@ from .errors import OutOfBlocksError
 from .manager import BlockManager
 from .sim_traces import Request
 
-__all__ = ["STRATEGIES", "SimulationError", "StrategyResult", "simulate"]
+__all__ = ["STRATEGIES", "SimulationError", "StrategyResult", "arrival_steps", "simulate"]
 
 STRATEGIES = ("contiguous-max", "contiguous-oracle", "paged", "paged+prefix")
 
@@ -212,6 +212,8 @@ def simulate(
     caps the running requests (0: no cap); ``arrival_rate`` > 0 makes requests arrive as a
     Poisson process (requests per step, seeded) instead of all at step 0.
     """
+    if len({r.id for r in requests}) != len(requests):
+        raise ValueError("request ids must be unique")
     too_long = [r.id for r in requests if r.final_len > max_len]
     if too_long:
         raise SimulationError(f"{len(too_long)} request(s) (first: {too_long[0]}) exceed max_len "

@@ -83,7 +83,7 @@ def plot(
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
+        raise ImportError("plotting needs matplotlib: pip install matplotlib") from None
     fig = Figure(figsize=(12, 7), layout="constrained")
     memory, running = fig.subplots(2, 1, sharex=True)
     for i, result in enumerate(results.values()):
