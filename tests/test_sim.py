@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -167,3 +168,20 @@ def test_jsonl_trace(tmp_path):
     path.write_text('{"prompt_len": 4, "output_len": 0}\n')
     with pytest.raises(ValueError, match="trace.jsonl:1"):
         load_jsonl(path)
+
+
+def test_contiguous_pool_random_admit_release():
+    rng = random.Random(0)
+    pool, live, total = _Contiguous(1000, None), [], 1000
+    for i in range(2000):
+        if live and rng.random() < 0.5:
+            pool.release(live.pop(rng.randrange(len(live))))
+        else:
+            run = _Running(Request(i, rng.randint(1, 60), rng.randint(1, 60)))
+            if pool.admit(run):
+                live.append(run)
+        assert pool.reserved == sum(r.req.final_len for r in live)
+        assert pool.reserved + sum(size for _, size in pool.holes) == total
+        assert all(size > 0 for _, size in pool.holes)
+        ends = [start + size for start, size in pool.holes]
+        assert all(end < nxt for end, (nxt, _) in zip(ends, pool.holes[1:], strict=False))
