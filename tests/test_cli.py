@@ -123,3 +123,14 @@ def test_demo_dispatch_and_missing(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "pagedkv.demo", None)
     code, _, err = run(capsys, "demo")
     assert code == 1 and "demo" in err
+
+
+def test_optional_dependencies_missing(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    from pagedkv import sim
+
+    assert sim._progress_bar("paged", 10, enabled=True) is None
+    code, _, err = run(capsys, *SMALL_SIM, "--strategies", "paged", "--plot",
+                       str(tmp_path / "x.png"))
+    assert code == 1 and "needs matplotlib" in err
