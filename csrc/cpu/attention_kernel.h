@@ -1,6 +1,7 @@
 // CPU paged attention, one work item at a time (cpu/attention_work.h), written once and compiled
 // per instruction set. For each chunk of kKeysPerChunk keys of the item's range:
-//   K, V <- the chunk's rows gathered through the block table, as float    (read once)
+//   K, V <- the chunk's row addresses, through the block table (rows kPrefetchChunks ahead
+//           are prefetched meanwhile); elements are converted to float in registers
 //   S = Q K^T for all R rows of the item (the kv head's query heads x query tokens)
 //   S <- soft cap, ALiBi, causal / window mask;  m' = max(m, rowmax S)
 //   P = exp(S - m'),  l = l e^(m - m') + rowsum P,  O = O e^(m - m') + P V     (online softmax)
@@ -13,6 +14,7 @@
 #include "cpu/attention_simd.h"
 
 constexpr int TC = kKeysPerChunk;
+constexpr int kPrefetchChunks = 2;  // rows are prefetched this many chunks ahead of their use
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ---- rows in and out ----------------------------------------------------------------------
@@ -76,34 +78,53 @@ inline ItemShape item_shape(const PagedAttentionParams& p, const WorkItem& w) {
   return s;
 }
 
-// ---- K/V gather ---------------------------------------------------------------------------
+// ---- K/V rows -----------------------------------------------------------------------------
 
-// dst[i] = row of key position key0 + i (i < n) of one kv head, as float.
+// Position -> row address of one kv head's cache, walking the block table.
 template <typename C>
-void gather(const C* cache, const CacheStrides& s, const int32_t* table, int32_t block_size,
-            int64_t key0, int n, int D, float* dst) {
-  int64_t b = key0 / block_size;
-  int32_t off = static_cast<int32_t>(key0 % block_size);
-  for (int i = 0; i < n; ++i) {
-    const C* src = cache + static_cast<int64_t>(table[b]) * s.block + off * s.token;
-    for (int d = 0; d < D; d += W) store(dst + i * D + d, load_float(src + d));
-    if (++off == block_size) {
-      off = 0;
-      ++b;
+struct RowCursor {
+  const C* cache;
+  const CacheStrides* s;
+  const int32_t* table;
+  int32_t block_size;
+  int64_t block;
+  int32_t offset;
+
+  RowCursor(const C* c, const CacheStrides& st, const int32_t* t, int32_t bs, int64_t pos)
+      : cache(c), s(&st), table(t), block_size(bs), block(pos / bs),
+        offset(static_cast<int32_t>(pos % bs)) {}
+  const C* row() const {
+    return cache + static_cast<int64_t>(table[block]) * s->block + offset * s->token;
+  }
+  void next() {
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
     }
+  }
+};
+
+// rows[i] = address of key position key0 + i (i < n); the cursor moves past them.
+template <typename C>
+void row_addresses(RowCursor<C>& cursor, int n, const C** rows) {
+  for (int i = 0; i < n; ++i) {
+    rows[i] = cursor.row();
+    cursor.next();
   }
 }
 
 // ---- S = Q K^T ----------------------------------------------------------------------------
+// K rows are read straight from the cache and converted in registers: each K element is loaded
+// once per 4 query rows (once in all for decode with a group of up to 4 heads).
 
-// s[r * TC + t] = q_r . k_t for RB rows of q and TB keys of k (row stride D).
-template <int RB, int TB>
-inline void qk_tile(const float* q, const float* k, int D, float* s) {
+// s[r * TC + t] = q_r . k_t for RB rows of q (row stride D) and TB keys.
+template <int RB, int TB, typename C>
+inline void qk_tile(const float* q, const C* const* k, int D, float* s) {
   vf acc[RB][TB] = {};
   for (int d = 0; d < D; d += W) {
     vf kv[TB];
 #pragma GCC unroll 8
-    for (int t = 0; t < TB; ++t) kv[t] = load(k + t * D + d);
+    for (int t = 0; t < TB; ++t) kv[t] = load_float(k[t] + d);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const vf qv = load(q + r * D + d);
@@ -122,35 +143,65 @@ inline void qk_tile(const float* q, const float* k, int D, float* s) {
   }
 }
 
-template <int RB, int TB>
-void qk_rows(const float* q, const float* k, int n, int D, float* s) {
+// The rows of a later chunk, prefetched while this chunk is computed (fetch(t) for t = 0, 1..).
+template <typename C>
+struct Ahead {
+  RowCursor<C> k, v;
+  int n;
+  int row_bytes;
+
+  void fetch(int t) {
+    if (t < n) {
+      prefetch(k.row(), row_bytes);
+      prefetch(v.row(), row_bytes);
+      k.next();
+      v.next();
+    }
+  }
+};
+
+template <int RB, int TB, typename C>
+void qk_rows(const float* q, const C* const* k, int n, int D, float* s, Ahead<C>* ahead) {
   int t = 0;
-  for (; t + TB <= n; t += TB) qk_tile<RB, TB>(q, k + t * D, D, s + t);
-  for (; t < n; ++t) qk_tile<RB, 1>(q, k + t * D, D, s + t);
+  for (; t + TB <= n; t += TB) {
+    if (ahead)
+      for (int i = 0; i < TB; ++i) ahead->fetch(t + i);
+    qk_tile<RB, TB>(q, k + t, D, s + t);
+  }
+  for (; t < n; ++t) {
+    if (ahead) ahead->fetch(t);
+    qk_tile<RB, 1>(q, k + t, D, s + t);
+  }
+  if (ahead)
+    for (; t < ahead->n; ++t) ahead->fetch(t);
 }
 
-inline void qk(const float* q, int R, const float* k, int n, int D, float* s) {
+template <typename C>
+void qk(const float* q, int R, const C* const* k, int n, int D, float* s, Ahead<C>& ahead) {
   int r = 0;
-  for (; r + 4 <= R; r += 4) qk_rows<4, 2>(q + r * D, k, n, D, s + r * TC);
+  Ahead<C>* fetch = &ahead;  // prefetch once, with the first rows
+  for (; r + 4 <= R; r += 4, fetch = nullptr) qk_rows<4, 2>(q + r * D, k, n, D, s + r * TC, fetch);
   if (R - r >= 2) {
-    qk_rows<2, 4>(q + r * D, k, n, D, s + r * TC);
+    qk_rows<2, 4>(q + r * D, k, n, D, s + r * TC, fetch);
     r += 2;
+    fetch = nullptr;
   }
-  if (R - r == 1) qk_rows<1, 8>(q + r * D, k, n, D, s + r * TC);
+  if (R - r == 1) qk_rows<1, 8>(q + r * D, k, n, D, s + r * TC, fetch);
 }
 
 // ---- O += P V -----------------------------------------------------------------------------
 
-// o[r][0, NV * W) += sum_t p[r * TC + t] v[t][0, NV * W) for RB rows (o row stride D).
-template <int RB, int NV>
-inline void pv_tile(const float* p, const float* v, int n, int D, float* o) {
+// o[r][d0, d0 + NV * W) += sum_t p[r * TC + t] v_t[d0, ..) for RB rows (o row stride D).
+template <int RB, int NV, typename C>
+inline void pv_tile(const float* p, const C* const* v, int n, int d0, int D, float* o) {
   vf acc[RB][NV];
   for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * D + j * W);
+    for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * D + d0 + j * W);
   for (int t = 0; t < n; ++t) {
+    const C* vt = v[t] + d0;
     vf vv[NV];
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) vv[j] = load(v + t * D + j * W);
+    for (int j = 0; j < NV; ++j) vv[j] = load_float(vt + j * W);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const vf pr = splat(p[r * TC + t]);
@@ -159,17 +210,18 @@ inline void pv_tile(const float* p, const float* v, int n, int D, float* o) {
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NV; ++j) store(o + r * D + j * W, acc[r][j]);
+    for (int j = 0; j < NV; ++j) store(o + r * D + d0 + j * W, acc[r][j]);
 }
 
-template <int RB, int NV>
-void pv_rows(const float* p, const float* v, int n, int D, float* o) {
+template <int RB, int NV, typename C>
+void pv_rows(const float* p, const C* const* v, int n, int D, float* o) {
   int d = 0;
-  for (; d + NV * W <= D; d += NV * W) pv_tile<RB, NV>(p, v + d, n, D, o + d);
-  for (; d < D; d += W) pv_tile<RB, 1>(p, v + d, n, D, o + d);
+  for (; d + NV * W <= D; d += NV * W) pv_tile<RB, NV>(p, v, n, d, D, o);
+  for (; d < D; d += W) pv_tile<RB, 1>(p, v, n, d, D, o);
 }
 
-inline void pv(const float* p, int R, const float* v, int n, int D, float* o) {
+template <typename C>
+void pv(const float* p, int R, const C* const* v, int n, int D, float* o) {
   int r = 0;
   for (; r + 4 <= R; r += 4) pv_rows<4, 2>(p + r * TC, v, n, D, o + r * D);
   if (R - r >= 2) {
@@ -225,7 +277,7 @@ inline void softmax_row(const PagedAttentionParams& p, const ItemShape& shape, i
 // ---- one work item ------------------------------------------------------------------------
 
 struct Scratch {
-  float *q, *o, *s, *m, *l, *k, *v;
+  float *q, *o, *s, *m, *l;
 };
 
 // Layout of scratch_floats(rows, D) floats for an item of R <= rows rows.
@@ -237,8 +289,6 @@ inline Scratch carve(float* base, int R, int D) {
   sc.s = sc.o + R * D;
   sc.m = sc.s + R * TC;
   sc.l = sc.m + r16;
-  sc.k = sc.l + r16;
-  sc.v = sc.k + TC * D;
   return sc;
 }
 
@@ -263,14 +313,23 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
   const C* k_cache = static_cast<const C*>(p.key_cache) + w.kv_head * p.k_strides.head;
   const C* v_cache = static_cast<const C*>(p.value_cache) + w.kv_head * p.v_strides.head;
   const int32_t* table = p.block_tables + w.seq * p.block_table_stride;
+  RowCursor<C> k_cursor(k_cache, p.k_strides, table, p.block_size, w.key_begin);
+  RowCursor<C> v_cursor(v_cache, p.v_strides, table, p.block_size, w.key_begin);
+  const C* k_rows[TC];  // the chunk's row addresses
+  const C* v_rows[TC];
   for (int64_t key0 = w.key_begin; key0 < w.key_end; key0 += TC) {
     const int n = static_cast<int>(std::min<int64_t>(TC, w.key_end - key0));
-    gather(k_cache, p.k_strides, table, p.block_size, key0, n, D, sc.k);
-    gather(v_cache, p.v_strides, table, p.block_size, key0, n, D, sc.v);
-    qk(sc.q, R, sc.k, n, D, sc.s);
+    row_addresses(k_cursor, n, k_rows);
+    row_addresses(v_cursor, n, v_rows);
+    const int64_t ahead0 = key0 + int64_t{kPrefetchChunks} * TC;
+    Ahead<C> ahead{RowCursor<C>(k_cache, p.k_strides, table, p.block_size, ahead0),
+                   RowCursor<C>(v_cache, p.v_strides, table, p.block_size, ahead0),
+                   static_cast<int>(std::clamp<int64_t>(w.key_end - ahead0, 0, TC)),
+                   D * static_cast<int>(sizeof(C))};
+    qk(sc.q, R, k_rows, n, D, sc.s, ahead);
     for (int r = 0; r < R; ++r)
       softmax_row(p, shape, r, key0, n, sc.s + r * TC, sc.o + r * D, sc.m[r], sc.l[r]);
-    pv(sc.s, R, sc.v, n, D, sc.o);
+    pv(sc.s, R, v_rows, n, D, sc.o);
   }
   for (int r = 0; r < R; ++r) {
     const bool empty = sc.l[r] == 0.f;

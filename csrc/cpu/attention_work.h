@@ -35,7 +35,7 @@ constexpr int kKeysPerChunk = 32;  // keys gathered, converted and processed tog
 
 // Floats of per-thread scratch for items of at most max_rows rows.
 inline int64_t scratch_floats(int64_t max_rows, int64_t head_size) {
-  return max_rows * (2 * head_size + kKeysPerChunk + 2) + 2 * kKeysPerChunk * head_size + 64;
+  return max_rows * (2 * head_size + kKeysPerChunk + 2) + 64;
 }
 
 struct AttentionKernels {
