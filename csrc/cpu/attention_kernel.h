@@ -143,20 +143,20 @@ inline void qk_tile(const float* q, const C* const* k, int D, float* s) {
   }
 }
 
-// The rows of a later chunk, prefetched while this chunk is computed (fetch(t) for t = 0, 1..).
+// The rows of a later chunk, prefetched while this chunk is computed: K rows during S = Q K^T,
+// V rows during O += P V, a few at a time so that the requests spread over the work.
 template <typename C>
 struct Ahead {
   RowCursor<C> k, v;
   int n;
   int row_bytes;
+  int k_done = 0, v_done = 0;
 
-  void fetch(int t) {
-    if (t < n) {
-      prefetch(k.row(), row_bytes);
-      prefetch(v.row(), row_bytes);
-      k.next();
-      v.next();
-    }
+  void fetch_k(int until) {
+    for (; k_done < std::min(until, n); ++k_done, k.next()) prefetch(k.row(), row_bytes);
+  }
+  void fetch_v(int until) {
+    for (; v_done < std::min(until, n); ++v_done, v.next()) prefetch(v.row(), row_bytes);
   }
 };
 
@@ -164,16 +164,11 @@ template <int RB, int TB, typename C>
 void qk_rows(const float* q, const C* const* k, int n, int D, float* s, Ahead<C>* ahead) {
   int t = 0;
   for (; t + TB <= n; t += TB) {
-    if (ahead)
-      for (int i = 0; i < TB; ++i) ahead->fetch(t + i);
+    if (ahead) ahead->fetch_k(t + TB);
     qk_tile<RB, TB>(q, k + t, D, s + t);
   }
-  for (; t < n; ++t) {
-    if (ahead) ahead->fetch(t);
-    qk_tile<RB, 1>(q, k + t, D, s + t);
-  }
-  if (ahead)
-    for (; t < ahead->n; ++t) ahead->fetch(t);
+  for (; t < n; ++t) qk_tile<RB, 1>(q, k + t, D, s + t);
+  if (ahead) ahead->fetch_k(TC);
 }
 
 template <typename C>
@@ -214,21 +209,27 @@ inline void pv_tile(const float* p, const C* const* v, int n, int d0, int D, flo
 }
 
 template <int RB, int NV, typename C>
-void pv_rows(const float* p, const C* const* v, int n, int D, float* o) {
+void pv_rows(const float* p, const C* const* v, int n, int D, float* o, Ahead<C>* ahead) {
   int d = 0;
-  for (; d + NV * W <= D; d += NV * W) pv_tile<RB, NV>(p, v, n, d, D, o);
+  for (; d + NV * W <= D; d += NV * W) {
+    if (ahead) ahead->fetch_v((d + NV * W) * TC / D);
+    pv_tile<RB, NV>(p, v, n, d, D, o);
+  }
   for (; d < D; d += W) pv_tile<RB, 1>(p, v, n, d, D, o);
+  if (ahead) ahead->fetch_v(TC);
 }
 
 template <typename C>
-void pv(const float* p, int R, const C* const* v, int n, int D, float* o) {
+void pv(const float* p, int R, const C* const* v, int n, int D, float* o, Ahead<C>& ahead) {
   int r = 0;
-  for (; r + 4 <= R; r += 4) pv_rows<4, 2>(p + r * TC, v, n, D, o + r * D);
+  Ahead<C>* fetch = &ahead;
+  for (; r + 4 <= R; r += 4, fetch = nullptr) pv_rows<4, 2>(p + r * TC, v, n, D, o + r * D, fetch);
   if (R - r >= 2) {
-    pv_rows<2, 4>(p + r * TC, v, n, D, o + r * D);
+    pv_rows<2, 4>(p + r * TC, v, n, D, o + r * D, fetch);
     r += 2;
+    fetch = nullptr;
   }
-  if (R - r == 1) pv_rows<1, 8>(p + r * TC, v, n, D, o + r * D);
+  if (R - r == 1) pv_rows<1, 8>(p + r * TC, v, n, D, o + r * D, fetch);
 }
 
 // ---- online softmax -----------------------------------------------------------------------
@@ -329,7 +330,7 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
     qk(sc.q, R, k_rows, n, D, sc.s, ahead);
     for (int r = 0; r < R; ++r)
       softmax_row(p, shape, r, key0, n, sc.s + r * TC, sc.o + r * D, sc.m[r], sc.l[r]);
-    pv(sc.s, R, v_rows, n, D, sc.o);
+    pv(sc.s, R, v_rows, n, D, sc.o, ahead);
   }
   for (int r = 0; r < R; ++r) {
     const bool empty = sc.l[r] == 0.f;
