@@ -123,18 +123,20 @@ inline void qk_tile(const float* q, const C* const* k, int D, float* s) {
   vf acc[RB][TB] = {};
   for (int d = 0; d < D; d += W) {
     vf kv[TB];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int t = 0; t < TB; ++t) kv[t] = load_float(k[t] + d);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       const vf qv = load(q + r * D + d);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int t = 0; t < TB; ++t) acc[r][t] = fmadd(qv, kv[t], acc[r][t]);
     }
   }
-  if constexpr (RB * TB == 8) {
-    float sums[8];
+  if constexpr (RB * TB >= 8) {
+    float sums[RB * TB];
     hsum8(&acc[0][0], sums);
+    if constexpr (RB * TB >= 16) hsum8(&acc[0][0] + 8, sums + 8);
+    for (int i = (RB * TB) / 8 * 8; i < RB * TB; ++i) sums[i] = hsum((&acc[0][0])[i]);
     for (int r = 0; r < RB; ++r)
       for (int t = 0; t < TB; ++t) s[r * TC + t] = sums[r * TB + t];
   } else {
@@ -160,14 +162,18 @@ struct Ahead {
   }
 };
 
-template <int RB, int TB, typename C>
+// Tiles of RB rows x TB keys with 12 independent FMA chains (enough to hide the FMA latency,
+// few enough for 16 AVX2 registers), then 2 and 1 keys for the chunk's tail.
+template <int RB, typename C>
 void qk_rows(const float* q, const C* const* k, int n, int D, float* s, Ahead<C>* ahead) {
+  constexpr int TB = 12 / RB;
   int t = 0;
   for (; t + TB <= n; t += TB) {
     if (ahead) ahead->fetch_k(t + TB);
     qk_tile<RB, TB>(q, k + t, D, s + t);
   }
-  for (; t < n; ++t) qk_tile<RB, 1>(q, k + t, D, s + t);
+  for (; t + 2 <= n; t += 2) qk_tile<RB, 2>(q, k + t, D, s + t);
+  if (t < n) qk_tile<RB, 1>(q, k + t, D, s + t);
   if (ahead) ahead->fetch_k(TC);
 }
 
@@ -175,13 +181,13 @@ template <typename C>
 void qk(const float* q, int R, const C* const* k, int n, int D, float* s, Ahead<C>& ahead) {
   int r = 0;
   Ahead<C>* fetch = &ahead;  // prefetch once, with the first rows
-  for (; r + 4 <= R; r += 4, fetch = nullptr) qk_rows<4, 2>(q + r * D, k, n, D, s + r * TC, fetch);
+  for (; r + 4 <= R; r += 4, fetch = nullptr) qk_rows<4>(q + r * D, k, n, D, s + r * TC, fetch);
   if (R - r >= 2) {
-    qk_rows<2, 4>(q + r * D, k, n, D, s + r * TC, fetch);
+    qk_rows<2>(q + r * D, k, n, D, s + r * TC, fetch);
     r += 2;
     fetch = nullptr;
   }
-  if (R - r == 1) qk_rows<1, 8>(q + r * D, k, n, D, s + r * TC, fetch);
+  if (R - r == 1) qk_rows<1>(q + r * D, k, n, D, s + r * TC, fetch);
 }
 
 // ---- O += P V -----------------------------------------------------------------------------
@@ -195,12 +201,12 @@ inline void pv_tile(const float* p, const C* const* v, int n, int d0, int D, flo
   for (int t = 0; t < n; ++t) {
     const C* vt = v[t] + d0;
     vf vv[NV];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) vv[j] = load_float(vt + j * W);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       const vf pr = splat(p[r * TC + t]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(pr, vv[j], acc[r][j]);
     }
   }
@@ -208,12 +214,18 @@ inline void pv_tile(const float* p, const C* const* v, int n, int d0, int D, flo
     for (int j = 0; j < NV; ++j) store(o + r * D + d0 + j * W, acc[r][j]);
 }
 
-template <int RB, int NV, typename C>
+// Column chunks of 3 vectors for 4 rows (12 FMA chains), then 2 and 1 for the rest of D.
+template <int RB, typename C>
 void pv_rows(const float* p, const C* const* v, int n, int D, float* o, Ahead<C>* ahead) {
+  constexpr int NV = 12 / RB;
   int d = 0;
   for (; d + NV * W <= D; d += NV * W) {
     if (ahead) ahead->fetch_v((d + NV * W) * TC / D);
     pv_tile<RB, NV>(p, v, n, d, D, o);
+  }
+  if (d + 2 * W <= D) {
+    pv_tile<RB, 2>(p, v, n, d, D, o);
+    d += 2 * W;
   }
   for (; d < D; d += W) pv_tile<RB, 1>(p, v, n, d, D, o);
   if (ahead) ahead->fetch_v(TC);
@@ -223,13 +235,13 @@ template <typename C>
 void pv(const float* p, int R, const C* const* v, int n, int D, float* o, Ahead<C>& ahead) {
   int r = 0;
   Ahead<C>* fetch = &ahead;
-  for (; r + 4 <= R; r += 4, fetch = nullptr) pv_rows<4, 2>(p + r * TC, v, n, D, o + r * D, fetch);
+  for (; r + 4 <= R; r += 4, fetch = nullptr) pv_rows<4>(p + r * TC, v, n, D, o + r * D, fetch);
   if (R - r >= 2) {
-    pv_rows<2, 4>(p + r * TC, v, n, D, o + r * D, fetch);
+    pv_rows<2>(p + r * TC, v, n, D, o + r * D, fetch);
     r += 2;
     fetch = nullptr;
   }
-  if (R - r == 1) pv_rows<1, 8>(p + r * TC, v, n, D, o + r * D, fetch);
+  if (R - r == 1) pv_rows<1>(p + r * TC, v, n, D, o + r * D, fetch);
 }
 
 // ---- online softmax -----------------------------------------------------------------------
