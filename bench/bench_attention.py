@@ -2,7 +2,8 @@
 
 Each row (sequences x context, 32 query heads / 8 kv heads, head size 128) reports the median
 time, the K/V bytes read per second, that rate as a fraction of the machine's read bandwidth
-measured in the same run (torch.sum over 1 GiB), and the speedup over
+measured just before the row (median torch.sum over 1 GiB: other load on the machine varies),
+and the speedup over
   reference   gather each sequence's blocks (pagedkv.reference.gather_kv) + torch SDPA
   contiguous  torch SDPA on a contiguous [seqs, kv_heads, context, head] cache of the same tokens
 
@@ -49,11 +50,10 @@ def median_seconds(fn, device: torch.device, min_reps: int, min_time: float) -> 
     return statistics.median(times)
 
 
-def read_bandwidth(device: torch.device, quick: bool) -> float:
-    """Bytes per second of torch.sum over a 1 GiB float32 tensor (median)."""
-    x = torch.ones(2**28, device=device)
-    seconds = median_seconds(lambda: x.sum(), device, 3 if quick else 7, 0.0)
-    return x.numel() * 4 / seconds
+def read_bandwidth(x: torch.Tensor, reps: int) -> float:
+    """Bytes per second of torch.sum over x (1 GiB), median of reps."""
+    seconds = median_seconds(lambda: x.sum(), x.device, reps, 0.0)
+    return x.numel() * x.element_size() / seconds
 
 
 def make_row(num_seqs: int, seq_len: int, block_size: int, dtype: torch.dtype, device):
@@ -101,13 +101,14 @@ def contiguous_fn(row: dict, seq_len: int):
 
 def run(quick: bool = False, device: str = "cpu") -> list[dict]:
     dev = torch.device(device)
-    bandwidth = read_bandwidth(dev, quick)
+    ones = torch.ones(2**28, device=dev)  # 1 GiB, summed next to each row: the load may vary
     rows = ROWS[:1] + ROWS[2:3] if quick else ROWS
     block_sizes = BLOCK_SIZES[:1] if quick else BLOCK_SIZES
     results = []
     for dtype in DTYPES:
         for num_seqs, seq_len in rows:
             for block_size in block_sizes:
+                bandwidth = read_bandwidth(ones, 3 if quick else 5)
                 row = make_row(num_seqs, seq_len, block_size, dtype, dev)
                 kv_bytes = 2 * row["key_cache"].element_size() * num_seqs * seq_len * \
                     NUM_KV_HEADS * HEAD_SIZE
@@ -129,14 +130,14 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
 def print_table(results: list[dict]) -> None:
     if not results:
         return
-    print(f"read bandwidth (torch.sum, 1 GiB): {results[0]['read_gbps']:.1f} GB/s, "
-          f"{results[0]['threads']} threads, {results[0]['device']}")
-    head = (f"{'dtype':>9} {'seqs x ctx':>11} {'bs':>3} {'ms':>8} {'GB/s':>6} {'of bw':>6} "
-            f"{'ref ms':>8} {'x ref':>6} {'sdpa ms':>8} {'x sdpa':>6}")
+    print(f"{results[0]['threads']} threads, {results[0]['device']}; bw: torch.sum over 1 GiB "
+          "just before the row")
+    head = (f"{'dtype':>9} {'seqs x ctx':>11} {'bs':>3} {'ms':>8} {'GB/s':>6} {'bw':>5} "
+            f"{'of bw':>6} {'ref ms':>8} {'x ref':>6} {'sdpa ms':>8} {'x sdpa':>6}")
     print(head)
     for r in results:
         print(f"{r['dtype']:>9} {r['num_seqs']:>4} x {r['seq_len']:<5} {r['block_size']:>3} "
-              f"{r['ms']:8.2f} {r['gbps']:6.1f} {r['bw_fraction']:6.0%} "
+              f"{r['ms']:8.2f} {r['gbps']:6.1f} {r['read_gbps']:5.1f} {r['bw_fraction']:6.0%} "
               f"{r['reference_ms']:8.1f} {r['speedup_reference']:6.1f} "
               f"{r['contiguous_sdpa_ms']:8.1f} {r['speedup_contiguous']:6.1f}")
 
