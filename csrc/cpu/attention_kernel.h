@@ -57,12 +57,18 @@ inline void write_output(const PagedAttentionParams& p, int64_t token, int32_t h
 
 // ---- the item's geometry ------------------------------------------------------------------
 
+// Row r of an item: kv head r / rows_per_head of the item, query token (r % rows_per_head) /
+// group of the tile, query head r % group of the kv head's group.
 struct ItemShape {
-  int32_t group;       // query heads per kv head
-  int32_t head0;       // the kv head's first query head
-  int32_t rows;        // group * q_count; row r = query token r / group, head r % group
-  int64_t token0;      // token of the item's first query
-  int32_t qpos0;       // position of the item's first query
+  int32_t group;          // query heads per kv head
+  int32_t head0;          // the item's first query head
+  int32_t rows_per_head;  // group * q_count
+  int32_t rows;           // kv_heads * rows_per_head
+  int64_t token0;         // token of the item's first query
+  int32_t qpos0;          // position of the item's first query
+
+  int32_t query(int r) const { return (r % rows_per_head) / group; }
+  int32_t head(int r) const { return head0 + r / rows_per_head * group + r % group; }
 };
 
 inline ItemShape item_shape(const PagedAttentionParams& p, const WorkItem& w) {
@@ -72,7 +78,8 @@ inline ItemShape item_shape(const PagedAttentionParams& p, const WorkItem& w) {
   ItemShape s;
   s.group = p.num_heads / p.num_kv_heads;
   s.head0 = w.kv_head * s.group;
-  s.rows = s.group * w.q_count;
+  s.rows_per_head = s.group * w.q_count;
+  s.rows = s.rows_per_head * w.kv_heads;
   s.token0 = static_cast<int64_t>(first) + w.q_begin;
   s.qpos0 = L - q_len + w.q_begin;
   return s;
@@ -80,38 +87,29 @@ inline ItemShape item_shape(const PagedAttentionParams& p, const WorkItem& w) {
 
 // ---- K/V rows -----------------------------------------------------------------------------
 
-// Position -> row address of one kv head's cache, walking the block table.
-template <typename C>
+// Key position -> element offset of its row in a cache (kv head 0), walking the block table.
 struct RowCursor {
-  const C* cache;
   const CacheStrides* s;
   const int32_t* table;
   int32_t block_size;
   int64_t block;
   int32_t offset;
 
-  RowCursor(const C* c, const CacheStrides& st, const int32_t* t, int32_t bs, int64_t pos)
-      : cache(c), s(&st), table(t), block_size(bs), block(pos / bs),
+  RowCursor(const CacheStrides& st, const int32_t* t, int32_t bs, int64_t pos)
+      : s(&st), table(t), block_size(bs), block(pos / bs),
         offset(static_cast<int32_t>(pos % bs)) {}
-  const C* row() const {
-    return cache + static_cast<int64_t>(table[block]) * s->block + offset * s->token;
-  }
-  void next() {
-    if (++offset == block_size) {
-      offset = 0;
-      ++block;
+
+  // offsets[i] = offset of the next n positions' rows; the cursor moves past them.
+  void take(int n, int64_t* offsets) {
+    for (int i = 0; i < n; ++i) {
+      offsets[i] = static_cast<int64_t>(table[block]) * s->block + offset * s->token;
+      if (++offset == block_size) {
+        offset = 0;
+        ++block;
+      }
     }
   }
 };
-
-// rows[i] = address of key position key0 + i (i < n); the cursor moves past them.
-template <typename C>
-void row_addresses(RowCursor<C>& cursor, int n, const C** rows) {
-  for (int i = 0; i < n; ++i) {
-    rows[i] = cursor.row();
-    cursor.next();
-  }
-}
 
 // ---- S = Q K^T ----------------------------------------------------------------------------
 // K rows are read straight from the cache and converted in registers: each K element is loaded
@@ -149,16 +147,19 @@ inline void qk_tile(const float* q, const C* const* k, int D, float* s) {
 // V rows during O += P V, a few at a time so that the requests spread over the work.
 template <typename C>
 struct Ahead {
-  RowCursor<C> k, v;
+  const C* k;  // the kv head's caches
+  const C* v;
+  const int64_t* k_offsets;  // of the rows to prefetch
+  const int64_t* v_offsets;
   int n;
   int row_bytes;
   int k_done = 0, v_done = 0;
 
   void fetch_k(int until) {
-    for (; k_done < std::min(until, n); ++k_done, k.next()) prefetch(k.row(), row_bytes);
+    for (; k_done < std::min(until, n); ++k_done) prefetch(k + k_offsets[k_done], row_bytes);
   }
   void fetch_v(int until) {
-    for (; v_done < std::min(until, n); ++v_done, v.next()) prefetch(v.row(), row_bytes);
+    for (; v_done < std::min(until, n); ++v_done) prefetch(v + v_offsets[v_done], row_bytes);
   }
 };
 
@@ -250,7 +251,7 @@ void pv(const float* p, int R, const C* const* v, int n, int D, float* o, Ahead<
 // m (updated), adds their sum to l and rescales the row's accumulator o.
 inline void softmax_row(const PagedAttentionParams& p, const ItemShape& shape, int r,
                         int64_t key0, int n, float* s, float* o, float& m, float& l) {
-  const int32_t qpos = shape.qpos0 + r / shape.group;
+  const int32_t qpos = shape.qpos0 + shape.query(r);
   const int64_t lo = p.sliding_window > 0 ? int64_t{qpos} - p.sliding_window + 1 : 0;
   const int a = static_cast<int>(std::max<int64_t>(0, lo - key0));
   const int b = static_cast<int>(std::min<int64_t>(n, int64_t{qpos} + 1 - key0));
@@ -259,7 +260,7 @@ inline void softmax_row(const PagedAttentionParams& p, const ItemShape& shape, i
     for (int t = 0; t < npad; ++t) s[t] = 0.f;
     return;
   }
-  const float slope = p.alibi_slopes ? p.alibi_slopes[shape.head0 + r % shape.group] : 0.f;
+  const float slope = p.alibi_slopes ? p.alibi_slopes[shape.head(r)] : 0.f;
   const float cap = p.soft_cap, inv_cap = cap > 0 ? 1.f / cap : 0.f;
   const float rel0 = static_cast<float>(key0 - qpos);  // key position - query position
   vf mx = splat(kNegInf);
@@ -314,35 +315,47 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
   const float k_mul = cache_factor<C>() * (p.k_scale ? *p.k_scale : 1.f);
   const float v_mul = cache_factor<C>() * (p.v_scale ? *p.v_scale : 1.f);
   for (int r = 0; r < R; ++r) {
-    const int64_t token = shape.token0 + r / shape.group;
-    const int32_t head = shape.head0 + r % shape.group;
-    const char* src = static_cast<const char*>(p.query) +
-                      (token * p.q_token_stride + head * p.q_head_stride) * elem_bytes(p.dtype);
+    const int64_t token = shape.token0 + shape.query(r);
+    const char* src =
+        static_cast<const char*>(p.query) +
+        (token * p.q_token_stride + shape.head(r) * p.q_head_stride) * elem_bytes(p.dtype);
     load_row(p.dtype, src, D, p.scale * k_mul, sc.q + r * D);
     std::memset(sc.o + r * D, 0, D * sizeof(float));
     sc.m[r] = kNegInf;
     sc.l[r] = 0.f;
   }
-  const C* k_cache = static_cast<const C*>(p.key_cache) + w.kv_head * p.k_strides.head;
-  const C* v_cache = static_cast<const C*>(p.value_cache) + w.kv_head * p.v_strides.head;
   const int32_t* table = p.block_tables + w.seq * p.block_table_stride;
-  RowCursor<C> k_cursor(k_cache, p.k_strides, table, p.block_size, w.key_begin);
-  RowCursor<C> v_cursor(v_cache, p.v_strides, table, p.block_size, w.key_begin);
-  const C* k_rows[TC];  // the chunk's row addresses
+  RowCursor k_cursor(p.k_strides, table, p.block_size, w.key_begin);
+  RowCursor v_cursor(p.v_strides, table, p.block_size, w.key_begin);
+  const int64_t ahead_begin = w.key_begin + int64_t{kPrefetchChunks} * TC;
+  RowCursor k_ahead(p.k_strides, table, p.block_size, ahead_begin);
+  RowCursor v_ahead(p.v_strides, table, p.block_size, ahead_begin);
+  int64_t k_off[TC], v_off[TC], k_ahead_off[TC], v_ahead_off[TC];
+  const C* k_rows[TC];  // the chunk's rows of one kv head
   const C* v_rows[TC];
+  const int rph = shape.rows_per_head;
   for (int64_t key0 = w.key_begin; key0 < w.key_end; key0 += TC) {
     const int n = static_cast<int>(std::min<int64_t>(TC, w.key_end - key0));
-    row_addresses(k_cursor, n, k_rows);
-    row_addresses(v_cursor, n, v_rows);
-    const int64_t ahead0 = key0 + int64_t{kPrefetchChunks} * TC;
-    Ahead<C> ahead{RowCursor<C>(k_cache, p.k_strides, table, p.block_size, ahead0),
-                   RowCursor<C>(v_cache, p.v_strides, table, p.block_size, ahead0),
-                   static_cast<int>(std::clamp<int64_t>(w.key_end - ahead0, 0, TC)),
-                   D * static_cast<int>(sizeof(C))};
-    qk(sc.q, R, k_rows, n, D, sc.s, ahead);
-    for (int r = 0; r < R; ++r)
-      softmax_row(p, shape, r, key0, n, sc.s + r * TC, sc.o + r * D, sc.m[r], sc.l[r]);
-    pv(sc.s, R, v_rows, n, D, sc.o, ahead);
+    const int n_ahead = static_cast<int>(
+        std::clamp<int64_t>(w.key_end - key0 - int64_t{kPrefetchChunks} * TC, 0, TC));
+    k_cursor.take(n, k_off);
+    v_cursor.take(n, v_off);
+    k_ahead.take(n_ahead, k_ahead_off);
+    v_ahead.take(n_ahead, v_ahead_off);
+    for (int h = 0; h < w.kv_heads; ++h) {  // consecutive heads: each block read in one sweep
+      const C* k = static_cast<const C*>(p.key_cache) + (w.kv_head + h) * p.k_strides.head;
+      const C* v = static_cast<const C*>(p.value_cache) + (w.kv_head + h) * p.v_strides.head;
+      for (int t = 0; t < n; ++t) {
+        k_rows[t] = k + k_off[t];
+        v_rows[t] = v + v_off[t];
+      }
+      Ahead<C> ahead{k, v, k_ahead_off, v_ahead_off, n_ahead, D * static_cast<int>(sizeof(C))};
+      const int r0 = h * rph;
+      qk(sc.q + r0 * D, rph, k_rows, n, D, sc.s + r0 * TC, ahead);
+      for (int r = r0; r < r0 + rph; ++r)
+        softmax_row(p, shape, r, key0, n, sc.s + r * TC, sc.o + r * D, sc.m[r], sc.l[r]);
+      pv(sc.s + r0 * TC, rph, v_rows, n, D, sc.o + r0 * D, ahead);
+    }
   }
   for (int r = 0; r < R; ++r) {
     const bool empty = sc.l[r] == 0.f;
@@ -355,7 +368,7 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
       std::memcpy(partials.out + row * D, o, D * sizeof(float));
       partials.lse[row] = lse;
     } else {
-      write_output(p, shape.token0 + r / shape.group, shape.head0 + r % shape.group, o, lse);
+      write_output(p, shape.token0 + shape.query(r), shape.head(r), o, lse);
     }
   }
 }

@@ -38,7 +38,7 @@ inline void merge_partials(const PagedAttentionParams& p, const WorkItem* items,
     const float lse = merge_rows(partials.out + row0 * D, int64_t{partials.rows_per_slot} * D,
                                  partials.lse + row0, partials.rows_per_slot, group.count, D,
                                  merged);
-    write_output(p, shape.token0 + r / shape.group, shape.head0 + r % shape.group, merged, lse);
+    write_output(p, shape.token0 + shape.query(r), shape.head(r), merged, lse);
   }
 }
 
