@@ -62,17 +62,16 @@ __device__ __forceinline__ Chunk<C> load_chunk(const C* ptr, bool vectorized) {
   Chunk<C> c;
   if (vectorized) {
     if constexpr (Chunk<C>::kWords == 2) {
-      const uint2 x = *reinterpret_cast<const uint2*>(ptr);
+      const uint2 x = __ldg(reinterpret_cast<const uint2*>(ptr));
       c.w[0] = x.x, c.w[1] = x.y;
     } else {
 #pragma unroll
       for (int i = 0; i < Chunk<C>::kWords; i += 4) {
-        const uint4 x = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint32_t*>(ptr) + i);
+        const uint4 x = __ldg(reinterpret_cast<const uint4*>(ptr) + i / 4);
         c.w[i] = x.x, c.w[i + 1] = x.y, c.w[i + 2] = x.z, c.w[i + 3] = x.w;
       }
     }
-  } else {
-    constexpr int kPerWord = 4 / static_cast<int>(sizeof(C));
+  } else {  // caches whose rows are not chunk-aligned: bytes, assembled little-endian
     const unsigned char* bytes = reinterpret_cast<const unsigned char*>(ptr);
 #pragma unroll
     for (int i = 0; i < Chunk<C>::kWords; ++i) {
@@ -80,7 +79,6 @@ __device__ __forceinline__ Chunk<C> load_chunk(const C* ptr, bool vectorized) {
 #pragma unroll
       for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(bytes[4 * i + b]) << (8 * b);
       c.w[i] = word;
-      (void)kPerWord;
     }
   }
   return c;
@@ -463,7 +461,10 @@ __global__ void __launch_bounds__(kThreads)
   for (int d = threadIdx.x; d < p.head_size; d += kThreads) {
     float o = 0.f;
     if (total != -INFINITY) {
-      for (int i = 0; i < plan.num_parts; ++i) o += expf(lse[i] - total) * partial[i * p.head_size + d];
+      for (int i = 0; i < plan.num_parts; ++i) {
+        const float w = expf(lse[i] - total);
+        if (w > 0.f) o += w * partial[i * p.head_size + d];
+      }
     }
     out[d] = from_float<T>(o);
   }
@@ -480,8 +481,6 @@ __global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(const Merge
   const int head = blockIdx.y;
   float lse[2] = {p.prefix_lse[token * p.prefix_lse_token_stride + head * p.prefix_lse_head_stride],
                  p.suffix_lse[token * p.suffix_lse_token_stride + head * p.suffix_lse_head_stride]};
-  // +inf marks an empty state in some producers: treat it like -inf.
-  for (float& x : lse) x = x == INFINITY ? -INFINITY : x;
   const float total = merged_lse(lse, 2, 1);
   const float wp = total == -INFINITY ? 0.f : expf(lse[0] - total);
   const float ws = total == -INFINITY ? 0.f : expf(lse[1] - total);
@@ -491,7 +490,10 @@ __global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(const Merge
                    head * p.suffix_head_stride;
   T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
   for (int d = threadIdx.x; d < p.head_size; d += kThreads) {
-    out[d] = from_float<T>(wp * to_float(prefix[d]) + ws * to_float(suffix[d]));
+    // The rows of an empty part (weight 0) are never read: they may hold anything.
+    const float o = (wp > 0.f ? wp * to_float(prefix[d]) : 0.f) +
+                    (ws > 0.f ? ws * to_float(suffix[d]) : 0.f);
+    out[d] = from_float<T>(o);
   }
   if (threadIdx.x == 0 && p.out_lse != nullptr) {
     p.out_lse[token * p.out_lse_token_stride + head * p.out_lse_head_stride] = total;
