@@ -107,11 +107,12 @@ __device__ __forceinline__ void to_floats(const Chunk<__nv_bfloat16>& c, float (
 __device__ __forceinline__ void to_floats(const Chunk<__half>& c, float (&f)[kChunkElems]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    __half_raw lo, hi;
-    lo.x = static_cast<unsigned short>(c.w[i] & 0xffffu);
-    hi.x = static_cast<unsigned short>(c.w[i] >> 16);
-    f[2 * i] = __half2float(__half(lo));
-    f[2 * i + 1] = __half2float(__half(hi));
+    __half2_raw raw;
+    raw.x = static_cast<unsigned short>(c.w[i] & 0xffffu);
+    raw.y = static_cast<unsigned short>(c.w[i] >> 16);
+    const float2 x = __half22float2(__half2(raw));
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
   }
 }
 template <typename Fp8>
@@ -183,7 +184,9 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
   float* acc_smem = smem;                             // [kWarps][kRows][HEAD]
   float* m_smem = smem + DecodeSmem<HEAD>::kWarpFloats;  // [kWarps][kRows]
   float* l_smem = m_smem + kWarps * kRows;               // [kWarps][kRows]
-  __shared__ int row_token[kRows], row_head[kRows], row_pos[kRows];
+  // Per row: query token and head, exclusive causal key bound (query position + 1), ALiBi slope.
+  __shared__ int row_token[kRows], row_head[kRows], row_end[kRows];
+  __shared__ float row_slope[kRows];
 
   const int tile = blockIdx.x % plan.row_tiles;  // tiles of one partition run side by side
   const int part = blockIdx.x / plan.row_tiles;
@@ -219,7 +222,8 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     const int r = row0 + tid;
     row_token[tid] = q_begin + r / group_size;
     row_head[tid] = kv_head * group_size + r % group_size;
-    row_pos[tid] = tid < rows ? seq_len - q_len + r / group_size : -1;
+    row_end[tid] = tid < rows ? seq_len - q_len + r / group_size + 1 : 0;
+    row_slope[tid] = p.alibi_slopes != nullptr && tid < rows ? p.alibi_slopes[row_head[tid]] : 0.f;
   }
   for (int i = tid; i < kRows * HEAD; i += kThreads) {
     const int r = i / HEAD, d = i % HEAD;
@@ -240,13 +244,6 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
   const bool lane_active = chunk < head_size / kChunkElems;
   const int dim0 = lane_active ? chunk * kChunkElems : 0;
 
-  int hi[kRows];       // exclusive causal bound of each row
-  float slope[kRows];  // ALiBi slope of each row's head
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    hi[r] = r < rows ? row_pos[r] + 1 : 0;
-    slope[r] = (p.alibi_slopes != nullptr && r < rows) ? p.alibi_slopes[row_head[r]] : 0.f;
-  }
   const bool alibi = p.alibi_slopes != nullptr;
   const int window = p.sliding_window;
 
@@ -298,25 +295,23 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     }
     locate(base + kStep);  // next iteration's block table entries, while K/V are in flight
 
-    // S = Q K^T for this group's U tokens, reduced across the group's lanes.
+    // S = Q K^T for this group's U tokens, reduced across the group's lanes. K is converted
+    // per row, from the raw chunks: cheaper in registers than holding U converted chunks.
     float s[U][kRows];
-    {
-      float kf[U][kChunkElems];
 #pragma unroll
-      for (int u = 0; u < U; ++u) to_floats(kc[u], kf[u]);
+    for (int r = 0; r < kRows; ++r) {
+      if (r < rows) {
+        float q[kChunkElems];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (r < rows) {
-          float q[kChunkElems];
+        for (int d = 0; d < kChunkElems; ++d) q[d] = q_smem[r * HEAD + dim0 + d];
 #pragma unroll
-          for (int d = 0; d < kChunkElems; ++d) q[d] = q_smem[r * HEAD + dim0 + d];
+        for (int u = 0; u < U; ++u) {
+          float kf[kChunkElems];
+          to_floats(kc[u], kf);
+          float dot = 0.f;
 #pragma unroll
-          for (int u = 0; u < U; ++u) {
-            float dot = 0.f;
-#pragma unroll
-            for (int d = 0; d < kChunkElems; ++d) dot += q[d] * kf[u][d];
-            s[u][r] = lane_active ? dot : 0.f;
-          }
+          for (int d = 0; d < kChunkElems; ++d) dot += q[d] * kf[d];
+          s[u][r] = lane_active ? dot : 0.f;
         }
       }
     }
@@ -338,14 +333,16 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (r < rows) {
+        const int hi = row_end[r];
+        const float slope = row_slope[r];
         float m_new = m[r];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int t = token_of(base, u);
           float x = s[u][r];
           if (p.soft_cap > 0.f) x = p.soft_cap * tanhf(x / p.soft_cap);
-          if (alibi) x += slope[r] * static_cast<float>(t - (hi[r] - 1));
-          const bool valid = t < part_end && t < hi[r] && (window <= 0 || t >= hi[r] - window);
+          if (alibi) x += slope * static_cast<float>(t - (hi - 1));
+          const bool valid = t < part_end && t < hi && (window <= 0 || t >= hi - window);
           s[u][r] = valid ? x * kLog2e : -INFINITY;
           m_new = fmaxf(m_new, s[u][r]);
         }
