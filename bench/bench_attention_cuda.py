@@ -1,178 +1,130 @@
-"""CUDA paged attention benchmark: median time by CUDA events, GB/s of K/V (+ q/out) traffic,
-fraction of the measured device copy bandwidth, against the pure-PyTorch reference and torch SDPA
-on a contiguous cache.
+"""CUDA paged attention: decode and chunked prefill on a GPU, timed with CUDA events (median),
+reported as GB/s of the K/V, query and output bytes and as a fraction of the device copy bandwidth
+measured in the same run, with the pure-PyTorch reference and torch SDPA on a contiguous cache of
+the same tokens as baselines.
 
-    python bench/bench_attention_cuda.py [--json out.json] [--quick]
-
-Needs a GPU and the extension built with CUDA (pagedkv._C).
+python -m bench.bench_attention_cuda [--quick] [--device cuda|cpu]   (cpu: a smoke test)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-import pagedkv  # noqa: F401  (loads torch.ops.pagedkv)
+import pagedkv
+from bench.harness import Row, measure_bandwidth, median_ms, print_table, write_json
 from pagedkv import reference
 
 
 @dataclass(frozen=True)
-class Case:
-    name: str
+class Shape:
     num_seqs: int
     seq_len: int
-    num_heads: int
-    num_kv_heads: int
+    num_heads: int = 32
+    num_kv_heads: int = 8
     head_size: int = 128
     dtype: torch.dtype = torch.bfloat16
     cache_dtype: torch.dtype | None = None
     block_size: int = 16
-    query_len: int = 1  # > 1: varlen causal queries (the last query_len positions)
+    query_len: int = 1  # > 1: chunked prefill, the last query_len positions of each sequence
+
+    def __str__(self) -> str:
+        kind = "decode" if self.query_len == 1 else f"prefill q{self.query_len}"
+        cache = str(self.cache_dtype or self.dtype).removeprefix("torch.")
+        return (f"{kind} {self.num_seqs}x{self.seq_len} {self.num_heads}/{self.num_kv_heads} "
+                f"h{self.head_size} {cache} bs{self.block_size}")
 
 
-CASES = [
-    Case("decode gqa 32x4096 bf16 h128", 32, 4096, 32, 8),
-    Case("decode gqa 8x2048 bf16 h128", 8, 2048, 32, 8),
-    Case("decode gqa 1x32768 bf16 h128 (split-K)", 1, 32768, 32, 8),
-    Case("decode gqa 128x1024 bf16 h128", 128, 1024, 32, 8),
-    Case("decode mha 32x2048 fp16 h128", 32, 2048, 32, 32, dtype=torch.float16),
-    Case("decode gqa 32x4096 bf16 h128 fp8 cache", 32, 4096, 32, 8,
-         cache_dtype=torch.float8_e4m3fn),
-    Case("decode gqa 32x4096 bf16 h64 bs1", 32, 4096, 32, 8, head_size=64, block_size=1),
-    Case("decode gqa 16x4096 bf16 h256", 16, 4096, 16, 4, head_size=256),
-    Case("chunked prefill 4x4096 q512 bf16 h128", 4, 4096, 32, 8, query_len=512),
+SHAPES = [
+    Shape(32, 4096),  # the headline row: 32 x 4096 GQA decode, bf16, head 128
+    Shape(8, 2048),
+    Shape(1, 32768),
+    Shape(128, 1024),
+    Shape(32, 2048, num_kv_heads=32, dtype=torch.float16),
+    Shape(32, 4096, cache_dtype=torch.float8_e4m3fn),
+    Shape(32, 4096, head_size=64, block_size=1),
+    Shape(16, 4096, num_heads=16, num_kv_heads=4, head_size=256),
+    Shape(4, 4096, query_len=512),
 ]
 
 
-def median_ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy of 1 GiB: bytes read + written per second."""
-    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), 20)
-    return 2 * src.numel() * 4 / ms / 1e6
-
-
-def make_inputs(c: Case) -> dict:
-    dev = "cuda"
-    cache_dtype = c.cache_dtype or c.dtype
-    blocks_per_seq = math.ceil(c.seq_len / c.block_size)
-    num_blocks = c.num_seqs * blocks_per_seq + 1
-    shape = (num_blocks, c.num_kv_heads, c.block_size, c.head_size)
-    k_scale = v_scale = None
-    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        k_scale = torch.tensor([0.02], device=dev)
-        v_scale = torch.tensor([0.02], device=dev)
-        key_cache = torch.randn(shape, device=dev).to(cache_dtype)
-        value_cache = torch.randn(shape, device=dev).to(cache_dtype)
-    else:
-        key_cache = torch.randn(shape, device=dev, dtype=cache_dtype)
-        value_cache = torch.randn(shape, device=dev, dtype=cache_dtype)
-    perm = torch.randperm(num_blocks - 1, device=dev) + 1  # block 0: the null block
-    block_tables = perm[: c.num_seqs * blocks_per_seq].view(c.num_seqs, -1).int()
-    seq_lens = torch.full((c.num_seqs,), c.seq_len, dtype=torch.int32, device=dev)
-    num_tokens = c.num_seqs * c.query_len
-    query_start_loc = None
-    if c.query_len > 1:
-        query_start_loc = torch.arange(0, num_tokens + 1, c.query_len, dtype=torch.int32,
-                                       device=dev)
-    query = torch.randn(num_tokens, c.num_heads, c.head_size, device=dev, dtype=c.dtype)
+def make_args(s: Shape, dev: torch.device) -> dict:
+    cache_dtype = s.cache_dtype or s.dtype
+    blocks_per_seq = math.ceil(s.seq_len / s.block_size)
+    num_blocks = s.num_seqs * blocks_per_seq + 1
+    shape = (num_blocks, s.num_kv_heads, s.block_size, s.head_size)
+    fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    scale = torch.tensor([0.02], device=dev) if fp8 else None
+    table = torch.randperm(num_blocks - 1, device=dev)[: s.num_seqs * blocks_per_seq] + 1
+    num_tokens = s.num_seqs * s.query_len
+    query = torch.randn(num_tokens, s.num_heads, s.head_size, device=dev, dtype=s.dtype)
+    qsl = None
+    if s.query_len > 1:
+        qsl = torch.arange(0, num_tokens + 1, s.query_len, dtype=torch.int32, device=dev)
     return dict(
-        out=torch.empty_like(query), query=query, key_cache=key_cache, value_cache=value_cache,
-        block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
-        max_seq_len=c.seq_len, max_query_len=c.query_len, scale=c.head_size**-0.5,
-        alibi_slopes=None, sliding_window=-1, soft_cap=0.0, k_scale=k_scale, v_scale=v_scale,
-        lse_out=None,
+        out=torch.empty_like(query), query=query,
+        key_cache=torch.randn(shape, device=dev).to(cache_dtype),
+        value_cache=torch.randn(shape, device=dev).to(cache_dtype),
+        block_tables=table.view(s.num_seqs, blocks_per_seq).int(),
+        seq_lens=torch.full((s.num_seqs,), s.seq_len, dtype=torch.int32, device=dev),
+        query_start_loc=qsl, max_seq_len=s.seq_len, max_query_len=s.query_len,
+        scale=s.head_size**-0.5, alibi_slopes=None, sliding_window=-1, soft_cap=0.0,
+        k_scale=scale, v_scale=scale, lse_out=None,
     )
 
 
-def traffic_bytes(c: Case, args: dict) -> int:
-    kv = 2 * c.num_seqs * c.seq_len * c.num_kv_heads * c.head_size
-    kv *= args["key_cache"].element_size()
-    return kv + 2 * args["query"].numel() * args["query"].element_size()
-
-
-def sdpa_fn(c: Case, args: dict):
-    """torch SDPA on a contiguous [seqs, kv_heads, seq_len, head] cache (same bytes of K/V)."""
-    dtype = c.dtype
-    k = torch.randn(c.num_seqs, c.num_kv_heads, c.seq_len, c.head_size, device="cuda", dtype=dtype)
+def contiguous_sdpa(s: Shape, args: dict):
+    dev = args["query"].device
+    k = torch.randn(s.num_seqs, s.num_kv_heads, s.seq_len, s.head_size, device=dev,
+                    dtype=s.dtype)
     v = torch.randn_like(k)
-    q = args["query"].view(c.num_seqs, c.query_len, c.num_heads, c.head_size).transpose(1, 2)
-    causal = c.query_len > 1
-    if causal:  # the last query_len positions: SDPA's causal mask is top-left aligned
-        pos = torch.arange(c.seq_len, device="cuda")
-        qpos = pos[-c.query_len:]
-        mask = pos[None, :] <= qpos[:, None]
-        return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    q = args["query"].view(s.num_seqs, s.query_len, s.num_heads, s.head_size).transpose(1, 2)
+    mask = None
+    if s.query_len > 1:  # the queries are the last positions: a bottom-right aligned causal mask
+        pos = torch.arange(s.seq_len, device=dev)
+        mask = pos[None, :] <= pos[-s.query_len:, None]
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def reference_fn(args: dict):
-    fn = getattr(reference, "paged_attention", None)
-    if fn is None:
-        return None
-    ref_args = dict(args)
-    ref_args["out"] = torch.empty_like(args["out"])
-    return lambda: fn(**ref_args)
+def bench(s: Shape, device: torch.device, with_reference: bool) -> Row:
+    args = make_args(s, device)
+    kv = 2 * s.num_seqs * s.seq_len * s.num_kv_heads * s.head_size
+    nbytes = kv * args["key_cache"].element_size() + 2 * args["query"].nbytes
+    row = Row("paged_attention", str(s),
+              median_ms(lambda: pagedkv.ops.paged_attention(**args), device, repeat=30),
+              nbytes / 1e9, "copy")
+    try:
+        row.baselines_ms["sdpa contiguous"] = median_ms(contiguous_sdpa(s, args), device,
+                                                        repeat=30)
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        print(f"  sdpa baseline of {s} skipped: {str(e).splitlines()[0]}")
+    if with_reference and s.num_seqs * s.seq_len * s.query_len <= 1 << 18:
+        ref_args = dict(args, out=torch.empty_like(args["out"]))
+        row.baselines_ms["reference"] = median_ms(
+            lambda: reference.paged_attention(**ref_args), device, warmup=1, repeat=3)
+    return row
 
 
-def run(cases: list[Case], iters: int, with_reference: bool) -> dict:
-    copy_gbs = copy_bandwidth_gbs()
-    print(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth {copy_gbs:.0f} GB/s")
-    print(f"{'case':44} {'ms':>8} {'GB/s':>7} {'of copy':>7} {'sdpa ms':>8} {'ref ms':>8}")
-    results = []
-    for c in cases:
-        args = make_inputs(c)
-        ms = median_ms(lambda: torch.ops.pagedkv.paged_attention(**args), iters)
-        gbs = traffic_bytes(c, args) / ms / 1e6
-        row = dict(case=asdict(c) | {"dtype": str(c.dtype), "cache_dtype": str(c.cache_dtype)},
-                   ms=ms, gbs=gbs, fraction_of_copy=gbs / copy_gbs)
-        try:
-            row["sdpa_ms"] = median_ms(sdpa_fn(c, args), iters)
-        except (RuntimeError, torch.OutOfMemoryError) as e:
-            row["sdpa_ms"] = None
-            row["sdpa_error"] = str(e).splitlines()[0]
-        ref = reference_fn(args) if with_reference and c.num_seqs * c.seq_len <= 1 << 17 else None
-        row["reference_ms"] = median_ms(ref, 3) if ref is not None else None
-        results.append(row)
-        fmt = lambda x: f"{x:8.3f}" if x is not None else f"{'-':>8}"  # noqa: E731
-        print(f"{c.name:44} {ms:8.3f} {gbs:7.0f} {gbs / copy_gbs:7.1%} {fmt(row['sdpa_ms'])} "
-              f"{fmt(row['reference_ms'])}", flush=True)
-        del args
-        torch.cuda.empty_cache()
-    return dict(device=torch.cuda.get_device_name(0), copy_gbs=copy_gbs, results=results)
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--quick", action="store_true", help="first two cases, 5 iterations")
+    parser.add_argument("--quick", action="store_true", help="the first two shapes")
     parser.add_argument("--no-reference", action="store_true")
-    a = parser.parse_args()
-    cases = CASES[:2] if a.quick else CASES
-    out = run(cases, 5 if a.quick else 30, not a.no_reference)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
+    parser.add_argument("--device", default="cuda")
+    opts = parser.parse_args(argv)
+    device = torch.device(opts.device)
+    bandwidth = measure_bandwidth(device)
+    rows = []
+    for s in SHAPES[:2] if opts.quick else SHAPES:
+        rows.append(bench(s, device, not opts.no_reference).finish(bandwidth))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print_table(f"paged_attention on {name}", rows, bandwidth)
+    print(f"wrote {write_json('attention_cuda', rows, bandwidth, device)}")
 
 
 if __name__ == "__main__":
