@@ -1,5 +1,6 @@
-// Paged attention kernels: GQA-aware decode / varlen attention with split-K, the split-K reduce,
-// and merge_attn_states.
+// Paged attention: the GQA-aware decode / varlen kernel with split-K and its launchers (the
+// split-K reduce and merge_attn_states are in attention_merge.cuh, cache chunk loads in
+// attention_chunks.cuh).
 //
 // One thread block per (row tile, context partition, sequence, kv head). A row is one (query token,
 // query head) pair of the kv head's group; a tile holds up to kRows rows, so in decode one block
@@ -13,10 +14,13 @@
 // workspace and the reduce kernel merges them.
 //
 // Templates only: csrc/cuda/attention_*.cu (nvcc) and csrc/simt/attention_*.cpp (emulator)
-// instantiate them through attention_dispatch.cuh.
+// instantiate them with PAGEDKV_INSTANTIATE_ATTENTION, one query dtype per translation unit so that
+// the instantiations compile in parallel; attention_dispatch.cuh picks among them at run time.
 #pragma once
 #include "kernels/compat.cuh"
+#include "kernels/attention_chunks.cuh"
 #include "kernels/attention_launch.h"
+#include "kernels/attention_merge.cuh"
 #include "kernels/dtypes.cuh"
 
 namespace pagedkv {
@@ -26,7 +30,6 @@ namespace attn {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = kAttnRowsPerBlock;  // (query token, query head) rows per block
-constexpr int kChunkElems = 8;   // head dims per lane and token
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -50,103 +53,6 @@ struct TokensPerGroup {
   static constexpr int kMinBlocksPerSm = sizeof(C) == 2 ? 4 : 3;
 };
 
-// 8 cache elements as raw 32-bit words (2 for fp8, 4 for 16-bit, 8 for fp32).
-template <typename C>
-struct Chunk {
-  static constexpr int kWords = static_cast<int>(sizeof(C)) * kChunkElems / 4;
-  uint32_t w[kWords];
-};
-
-template <typename C>
-__device__ __forceinline__ Chunk<C> load_chunk(const C* ptr, bool vectorized) {
-  Chunk<C> c;
-  if (vectorized) {
-    if constexpr (Chunk<C>::kWords == 2) {
-      const uint2 x = __ldg(reinterpret_cast<const uint2*>(ptr));
-      c.w[0] = x.x, c.w[1] = x.y;
-    } else {
-#pragma unroll
-      for (int i = 0; i < Chunk<C>::kWords; i += 4) {
-        const uint4 x = __ldg(reinterpret_cast<const uint4*>(ptr) + i / 4);
-        c.w[i] = x.x, c.w[i + 1] = x.y, c.w[i + 2] = x.z, c.w[i + 3] = x.w;
-      }
-    }
-  } else {  // caches whose rows are not chunk-aligned: bytes, assembled little-endian
-    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(ptr);
-#pragma unroll
-    for (int i = 0; i < Chunk<C>::kWords; ++i) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(bytes[4 * i + b]) << (8 * b);
-      c.w[i] = word;
-    }
-  }
-  return c;
-}
-
-template <typename C>
-__device__ __forceinline__ Chunk<C> zero_chunk() {
-  Chunk<C> c;
-#pragma unroll
-  for (int i = 0; i < Chunk<C>::kWords; ++i) c.w[i] = 0;
-  return c;
-}
-
-// Chunk -> 8 floats (unscaled).
-__device__ __forceinline__ void to_floats(const Chunk<float>& c, float (&f)[kChunkElems]) {
-#pragma unroll
-  for (int i = 0; i < kChunkElems; ++i) f[i] = __uint_as_float(c.w[i]);
-}
-__device__ __forceinline__ void to_floats(const Chunk<__nv_bfloat16>& c, float (&f)[kChunkElems]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(c.w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(c.w[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ void to_floats(const Chunk<__half>& c, float (&f)[kChunkElems]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __half2_raw raw;
-    raw.x = static_cast<unsigned short>(c.w[i] & 0xffffu);
-    raw.y = static_cast<unsigned short>(c.w[i] >> 16);
-    const float2 x = __half22float2(__half2(raw));
-    f[2 * i] = x.x;
-    f[2 * i + 1] = x.y;
-  }
-}
-template <typename Fp8>
-__device__ __forceinline__ void fp8_to_floats(const Chunk<Fp8>& c, float (&f)[kChunkElems]) {
-#pragma unroll
-  for (int i = 0; i < kChunkElems; ++i) {
-    Fp8 x;
-    x.bits = static_cast<__nv_fp8_storage_t>((c.w[i / 4] >> (8 * (i % 4))) & 0xffu);
-    f[i] = to_float(x);
-  }
-}
-__device__ __forceinline__ void to_floats(const Chunk<fp8_e4m3>& c, float (&f)[kChunkElems]) {
-  fp8_to_floats(c, f);
-}
-__device__ __forceinline__ void to_floats(const Chunk<fp8_e5m2>& c, float (&f)[kChunkElems]) {
-  fp8_to_floats(c, f);
-}
-
-// x / d and x % d for a runtime divisor, by shifts when it is a power of two.
-struct FastDiv {
-  int d, shift;  // shift < 0: not a power of two
-  __device__ __forceinline__ explicit FastDiv(int divisor) : d(divisor), shift(-1) {
-    if ((divisor & (divisor - 1)) == 0) shift = __ffs(divisor) - 1;
-  }
-  __device__ __forceinline__ void divmod(int x, int& q, int& r) const {
-    if (shift >= 0) {
-      q = x >> shift;
-      r = x & (d - 1);
-    } else {
-      q = x / d;
-      r = x - q * d;
-    }
-  }
-};
 
 // Online softmax state of one row, log2 domain: m = running max, l = running sum.
 __device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f : m; }
@@ -431,72 +337,6 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
   }
 }
 
-// Weights of n partial states with log-sum-exps lse[0..n): w_i = exp(lse_i - lse), where
-// lse = log(sum_i exp(lse_i)); states with lse = -inf (no keys) get weight 0.
-__device__ __forceinline__ float merged_lse(const float* lse, int n, int stride) {
-  float m = -INFINITY;
-  for (int i = 0; i < n; ++i) m = fmaxf(m, lse[i * stride]);
-  if (m == -INFINITY) return -INFINITY;
-  float sum = 0.f;
-  for (int i = 0; i < n; ++i) sum += expf(lse[i * stride] - m);
-  return m + logf(sum);
-}
-
-// Split-K reduce: out = sum_p exp(lse_p - lse) * partial_p.
-// grid: (num_tokens, num_heads), block: kThreads.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    paged_attention_reduce_kernel(const PagedAttentionParams p, const AttentionPlan plan) {
-  const int64_t token = blockIdx.x;
-  const int head = blockIdx.y;
-  if (p.query_start_loc != nullptr && token >= p.query_start_loc[p.num_seqs]) return;
-  const int64_t row = token * p.num_heads + head;
-  const float* lse = plan.tmp_lse + row * plan.num_parts;
-  const float total = merged_lse(lse, plan.num_parts, 1);
-  T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
-  const float* partial = plan.tmp_out + row * plan.num_parts * p.head_size;
-  for (int d = threadIdx.x; d < p.head_size; d += kThreads) {
-    float o = 0.f;
-    if (total != -INFINITY) {
-      for (int i = 0; i < plan.num_parts; ++i) {
-        const float w = expf(lse[i] - total);
-        if (w > 0.f) o += w * partial[i * p.head_size + d];
-      }
-    }
-    out[d] = from_float<T>(o);
-  }
-  if (threadIdx.x == 0 && p.lse_out != nullptr) {
-    p.lse_out[token * p.lse_token_stride + head * p.lse_head_stride] = total;
-  }
-}
-
-// merge_attn_states: the same merge over two states held in separate tensors.
-// grid: (num_tokens, num_heads), block: kThreads.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(const MergeAttnParams p) {
-  const int64_t token = blockIdx.x;
-  const int head = blockIdx.y;
-  float lse[2] = {p.prefix_lse[token * p.prefix_lse_token_stride + head * p.prefix_lse_head_stride],
-                 p.suffix_lse[token * p.suffix_lse_token_stride + head * p.suffix_lse_head_stride]};
-  const float total = merged_lse(lse, 2, 1);
-  const float wp = total == -INFINITY ? 0.f : expf(lse[0] - total);
-  const float ws = total == -INFINITY ? 0.f : expf(lse[1] - total);
-  const T* prefix = static_cast<const T*>(p.prefix_out) + token * p.prefix_token_stride +
-                   head * p.prefix_head_stride;
-  const T* suffix = static_cast<const T*>(p.suffix_out) + token * p.suffix_token_stride +
-                   head * p.suffix_head_stride;
-  T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
-  for (int d = threadIdx.x; d < p.head_size; d += kThreads) {
-    // The rows of an empty part (weight 0) are never read: they may hold anything.
-    const float o = (wp > 0.f ? wp * to_float(prefix[d]) : 0.f) +
-                    (ws > 0.f ? ws * to_float(suffix[d]) : 0.f);
-    out[d] = from_float<T>(o);
-  }
-  if (threadIdx.x == 0 && p.out_lse != nullptr) {
-    p.out_lse[token * p.out_lse_token_stride + head * p.out_lse_head_stride] = total;
-  }
-}
-
 template <typename T, typename C, int HEAD>
 cudaError_t launch_paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan,
                                    cudaStream_t stream) {
@@ -508,7 +348,7 @@ cudaError_t launch_paged_attention(const PagedAttentionParams& p, const Attentio
   if (err != cudaSuccess || plan.num_parts == 1) return err;
   const dim3 reduce_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
   auto reduce = paged_attention_reduce_kernel<T>;
-  PAGEDKV_LAUNCH(reduce, reduce_grid, kThreads, 0, stream)(p, plan);
+  PAGEDKV_LAUNCH(reduce, reduce_grid, kMergeThreads, 0, stream)(p, plan);
   return cudaGetLastError();
 }
 
@@ -516,7 +356,7 @@ template <typename T>
 cudaError_t launch_merge_attn_states(const MergeAttnParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
   auto kernel = merge_attn_states_kernel<T>;
-  PAGEDKV_LAUNCH(kernel, grid, kThreads, 0, stream)(p);
+  PAGEDKV_LAUNCH(kernel, grid, kMergeThreads, 0, stream)(p);
   return cudaGetLastError();
 }
 
