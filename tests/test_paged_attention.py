@@ -14,6 +14,7 @@ from attention_cases import (
     check,
     make_args,
     max_err,
+    to_device,
 )
 
 HEAD_SIZES = [64, 80, 96, 112, 128, 192, 256, 8, 24]
@@ -146,6 +147,24 @@ def test_strided_query_out_and_lse(backend):
     args["query"] = qkv[:, 0]
     args["out"] = torch.full((10, 3, 8, 64), float("nan"), device=dev)[:, 1]
     args["lse_out"] = torch.full((8, 10), float("nan"), device=dev).T
+    call(backend.ops.paged_attention, args)
+    check(args)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
+                         ids=str)
+def test_unaligned_cache_rows(backend, cache_dtype):
+    """Cache rows off 16-byte alignment (a slice of a wider last dim): vector loads cannot be
+    used and the CUDA kernels read element by element."""
+    dtype = torch.bfloat16 if cache_dtype in FP8_DTYPES else cache_dtype
+    args = make_args(Case(seq_lens=(1, 17, 100), q_lens=(1, 3, 2), dtype=dtype,
+                          cache_dtype=cache_dtype, alibi=True))
+    for name in ("key_cache", "value_cache"):
+        cache = args[name]
+        wide = torch.zeros(*cache.shape[:3], cache.shape[3] + 1, dtype=cache.dtype)
+        wide[..., 1:] = cache
+        args[name] = wide[..., 1:]
+    args = to_device(args, backend.device)
     call(backend.ops.paged_attention, args)
     check(args)
 
