@@ -4,12 +4,14 @@
 #   make bench             set up, build, run every microbenchmark (the main job)
 #   make test              set up, build, run the test suite (what CI runs)
 #   make test TORCH=2.13.0 the same against the CPU-only torch build (no nvcc use)
+#   make ctest             torch-free native targets: emulator self-tests, nvcc + ptxas report
 
 TORCH ?= 2.14.1
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pagedkv-torch-$(TORCH)
+CUDA_HOME ?= /usr/local/cuda
 export MAX_JOBS ?= $(shell nproc)
 ifeq ($(TORCH),2.13.0)
 export PAGEDKV_CUDA ?= 0
@@ -46,9 +48,10 @@ bench: build
 lint: setup
 	$(VENV)/bin/ruff check python tests bench setup.py
 
-ctest:
-	cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
-	cmake --build build/cmake
+ctest: setup
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake -S . -B build/cmake -G Ninja \
+		-DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake --build build/cmake
 	ctest --test-dir build/cmake --output-on-failure
 
 clean:
