@@ -17,7 +17,7 @@
 namespace pagedkv::cpu {
 namespace {
 
-constexpr int kMaxRowsPerItem = 64;   // query rows (heads x tokens) sharing one K/V read
+constexpr int kMaxRowsPerItem = 64;   // varlen: query rows (heads x tokens) sharing a K/V read
 constexpr int kMinKeysPerItem = 256;  // split-K never makes items shorter than this
 constexpr int kItemsPerThread = 4;    // split until the items are about this many per thread
 
@@ -67,13 +67,16 @@ void for_each_tile(const PagedAttentionParams& p, int32_t q_tile, F&& f) {
 
 Plan plan_work(const PagedAttentionParams& p, int threads) {
   const int32_t group = p.num_heads / p.num_kv_heads;
+  const bool decode = p.query_start_loc == nullptr;
+  const int32_t heads_per_item = decode ? p.num_kv_heads : 1;
   const int32_t q_tile =
-      p.query_start_loc ? std::max(1, std::min(kMaxRowsPerItem / group, p.max_query_len)) : 1;
+      decode ? 1 : std::max(1, std::min(kMaxRowsPerItem / group, p.max_query_len));
   Plan plan;
-  plan.rows_per_item = group * q_tile;
+  plan.rows_per_item = heads_per_item * group * q_tile;
+  const int32_t head_items = p.num_kv_heads / heads_per_item;
   int64_t total_keys = 0;
   for_each_tile(p, q_tile, [&](int32_t, const QueryTile& t) {
-    total_keys += int64_t{t.key_end - t.key_begin} * p.num_kv_heads;
+    total_keys += int64_t{t.key_end - t.key_begin} * head_items;
   });
   const int64_t target = std::max<int64_t>(1, int64_t{kItemsPerThread} * threads);
   int64_t part = std::max<int64_t>(kMinKeysPerItem, (total_keys + target - 1) / target);
@@ -81,13 +84,13 @@ Plan plan_work(const PagedAttentionParams& p, int threads) {
   for_each_tile(p, q_tile, [&](int32_t s, const QueryTile& t) {
     const int64_t keys = t.key_end - t.key_begin;
     const int32_t parts = static_cast<int32_t>(std::max<int64_t>(1, (keys + part - 1) / part));
-    for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+    for (int32_t h = 0; h < p.num_kv_heads; h += heads_per_item) {
       if (parts > 1) plan.splits.push_back({static_cast<int64_t>(plan.items.size()), parts});
       for (int32_t i = 0; i < parts; ++i) {
         const int32_t begin = static_cast<int32_t>(t.key_begin + i * part);
         const int32_t end = static_cast<int32_t>(std::min<int64_t>(t.key_end, begin + part));
         const int64_t slot = parts > 1 ? plan.num_slots++ : -1;
-        plan.items.push_back({s, h, t.q_begin, t.q_count, begin, end, slot});
+        plan.items.push_back({s, h, heads_per_item, t.q_begin, t.q_count, begin, end, slot});
       }
     }
   });

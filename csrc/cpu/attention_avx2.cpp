@@ -21,7 +21,9 @@
 
 #define PKV_ISA 1
 namespace pagedkv::cpu::avx2 {
+namespace {
 #include "cpu/attention_kernel.h"
+}  // namespace
 }  // namespace pagedkv::cpu::avx2
 
 #if defined(__clang__)

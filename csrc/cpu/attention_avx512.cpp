@@ -25,7 +25,9 @@
 
 #define PKV_ISA 2
 namespace pagedkv::cpu::avx512 {
+namespace {
 #include "cpu/attention_kernel.h"
+}  // namespace
 }  // namespace pagedkv::cpu::avx512
 
 #if defined(__clang__)

@@ -12,7 +12,9 @@
 
 #define PKV_ISA 0
 namespace pagedkv::cpu::base {
+namespace {
 #include "cpu/attention_kernel.h"
+}  // namespace
 }  // namespace pagedkv::cpu::base
 
 namespace pagedkv::cpu {

@@ -1,6 +1,7 @@
 // CPU paged attention, one work item at a time (cpu/attention_work.h), written once and compiled
 // per instruction set. For each chunk of kKeysPerChunk keys of the item's range:
-//   K, V <- the chunk's rows gathered through the block table, as float    (read once)
+//   K, V <- the chunk's row addresses, through the block table (rows kPrefetchChunks ahead
+//           are prefetched meanwhile); elements are converted to float in registers
 //   S = Q K^T for all R rows of the item (the kv head's query heads x query tokens)
 //   S <- soft cap, ALiBi, causal / window mask;  m' = max(m, rowmax S)
 //   P = exp(S - m'),  l = l e^(m - m') + rowsum P,  O = O e^(m - m') + P V     (online softmax)
@@ -13,6 +14,7 @@
 #include "cpu/attention_simd.h"
 
 constexpr int TC = kKeysPerChunk;
+constexpr int kPrefetchChunks = 2;  // rows are prefetched this many chunks ahead of their use
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ---- rows in and out ----------------------------------------------------------------------
@@ -55,12 +57,18 @@ inline void write_output(const PagedAttentionParams& p, int64_t token, int32_t h
 
 // ---- the item's geometry ------------------------------------------------------------------
 
+// Row r of an item: kv head r / rows_per_head of the item, query token (r % rows_per_head) /
+// group of the tile, query head r % group of the kv head's group.
 struct ItemShape {
-  int32_t group;       // query heads per kv head
-  int32_t head0;       // the kv head's first query head
-  int32_t rows;        // group * q_count; row r = query token r / group, head r % group
-  int64_t token0;      // token of the item's first query
-  int32_t qpos0;       // position of the item's first query
+  int32_t group;          // query heads per kv head
+  int32_t head0;          // the item's first query head
+  int32_t rows_per_head;  // group * q_count
+  int32_t rows;           // kv_heads * rows_per_head
+  int64_t token0;         // token of the item's first query
+  int32_t qpos0;          // position of the item's first query
+
+  int32_t query(int r) const { return (r % rows_per_head) / group; }
+  int32_t head(int r) const { return head0 + r / rows_per_head * group + r % group; }
 };
 
 inline ItemShape item_shape(const PagedAttentionParams& p, const WorkItem& w) {
@@ -70,50 +78,63 @@ inline ItemShape item_shape(const PagedAttentionParams& p, const WorkItem& w) {
   ItemShape s;
   s.group = p.num_heads / p.num_kv_heads;
   s.head0 = w.kv_head * s.group;
-  s.rows = s.group * w.q_count;
+  s.rows_per_head = s.group * w.q_count;
+  s.rows = s.rows_per_head * w.kv_heads;
   s.token0 = static_cast<int64_t>(first) + w.q_begin;
   s.qpos0 = L - q_len + w.q_begin;
   return s;
 }
 
-// ---- K/V gather ---------------------------------------------------------------------------
+// ---- K/V rows -----------------------------------------------------------------------------
 
-// dst[i] = row of key position key0 + i (i < n) of one kv head, as float.
-template <typename C>
-void gather(const C* cache, const CacheStrides& s, const int32_t* table, int32_t block_size,
-            int64_t key0, int n, int D, float* dst) {
-  int64_t b = key0 / block_size;
-  int32_t off = static_cast<int32_t>(key0 % block_size);
-  for (int i = 0; i < n; ++i) {
-    const C* src = cache + static_cast<int64_t>(table[b]) * s.block + off * s.token;
-    for (int d = 0; d < D; d += W) store(dst + i * D + d, load_float(src + d));
-    if (++off == block_size) {
-      off = 0;
-      ++b;
+// Key position -> element offset of its row in a cache (kv head 0), walking the block table.
+struct RowCursor {
+  const CacheStrides* s;
+  const int32_t* table;
+  int32_t block_size;
+  int64_t block;
+  int32_t offset;
+
+  RowCursor(const CacheStrides& st, const int32_t* t, int32_t bs, int64_t pos)
+      : s(&st), table(t), block_size(bs), block(pos / bs),
+        offset(static_cast<int32_t>(pos % bs)) {}
+
+  // offsets[i] = offset of the next n positions' rows; the cursor moves past them.
+  void take(int n, int64_t* offsets) {
+    for (int i = 0; i < n; ++i) {
+      offsets[i] = static_cast<int64_t>(table[block]) * s->block + offset * s->token;
+      if (++offset == block_size) {
+        offset = 0;
+        ++block;
+      }
     }
   }
-}
+};
 
 // ---- S = Q K^T ----------------------------------------------------------------------------
+// K rows are read straight from the cache and converted in registers: each K element is loaded
+// once per 4 query rows (once in all for decode with a group of up to 4 heads).
 
-// s[r * TC + t] = q_r . k_t for RB rows of q and TB keys of k (row stride D).
-template <int RB, int TB>
-inline void qk_tile(const float* q, const float* k, int D, float* s) {
+// s[r * TC + t] = q_r . k_t for RB rows of q (row stride D) and TB keys.
+template <int RB, int TB, typename C>
+inline void qk_tile(const float* q, const C* const* k, int D, float* s) {
   vf acc[RB][TB] = {};
   for (int d = 0; d < D; d += W) {
     vf kv[TB];
-#pragma GCC unroll 8
-    for (int t = 0; t < TB; ++t) kv[t] = load(k + t * D + d);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
+    for (int t = 0; t < TB; ++t) kv[t] = load_float(k[t] + d);
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       const vf qv = load(q + r * D + d);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int t = 0; t < TB; ++t) acc[r][t] = fmadd(qv, kv[t], acc[r][t]);
     }
   }
-  if constexpr (RB * TB == 8) {
-    float sums[8];
+  if constexpr (RB * TB >= 8) {
+    float sums[RB * TB];
     hsum8(&acc[0][0], sums);
+    if constexpr (RB * TB >= 16) hsum8(&acc[0][0] + 8, sums + 8);
+    for (int i = (RB * TB) / 8 * 8; i < RB * TB; ++i) sums[i] = hsum((&acc[0][0])[i]);
     for (int r = 0; r < RB; ++r)
       for (int t = 0; t < TB; ++t) s[r * TC + t] = sums[r * TB + t];
   } else {
@@ -122,61 +143,106 @@ inline void qk_tile(const float* q, const float* k, int D, float* s) {
   }
 }
 
-template <int RB, int TB>
-void qk_rows(const float* q, const float* k, int n, int D, float* s) {
+// The rows of a later chunk, prefetched while this chunk is computed: K rows during S = Q K^T,
+// V rows during O += P V, a few at a time so that the requests spread over the work.
+template <typename C>
+struct Ahead {
+  const C* k;  // the kv head's caches
+  const C* v;
+  const int64_t* k_offsets;  // of the rows to prefetch
+  const int64_t* v_offsets;
+  int n;
+  int row_bytes;
+  int k_done = 0, v_done = 0;
+
+  void fetch_k(int until) {
+    for (; k_done < std::min(until, n); ++k_done) prefetch(k + k_offsets[k_done], row_bytes);
+  }
+  void fetch_v(int until) {
+    for (; v_done < std::min(until, n); ++v_done) prefetch(v + v_offsets[v_done], row_bytes);
+  }
+};
+
+// Tiles of RB rows x TB keys with 12 independent FMA chains (enough to hide the FMA latency,
+// few enough for 16 AVX2 registers), then 2 and 1 keys for the chunk's tail.
+template <int RB, typename C>
+void qk_rows(const float* q, const C* const* k, int n, int D, float* s, Ahead<C>* ahead) {
+  constexpr int TB = 12 / RB;
   int t = 0;
-  for (; t + TB <= n; t += TB) qk_tile<RB, TB>(q, k + t * D, D, s + t);
-  for (; t < n; ++t) qk_tile<RB, 1>(q, k + t * D, D, s + t);
+  for (; t + TB <= n; t += TB) {
+    if (ahead) ahead->fetch_k(t + TB);
+    qk_tile<RB, TB>(q, k + t, D, s + t);
+  }
+  for (; t + 2 <= n; t += 2) qk_tile<RB, 2>(q, k + t, D, s + t);
+  if (t < n) qk_tile<RB, 1>(q, k + t, D, s + t);
+  if (ahead) ahead->fetch_k(TC);
 }
 
-inline void qk(const float* q, int R, const float* k, int n, int D, float* s) {
+template <typename C>
+void qk(const float* q, int R, const C* const* k, int n, int D, float* s, Ahead<C>& ahead) {
   int r = 0;
-  for (; r + 4 <= R; r += 4) qk_rows<4, 2>(q + r * D, k, n, D, s + r * TC);
+  Ahead<C>* fetch = &ahead;  // prefetch once, with the first rows
+  for (; r + 4 <= R; r += 4, fetch = nullptr) qk_rows<4>(q + r * D, k, n, D, s + r * TC, fetch);
   if (R - r >= 2) {
-    qk_rows<2, 4>(q + r * D, k, n, D, s + r * TC);
+    qk_rows<2>(q + r * D, k, n, D, s + r * TC, fetch);
     r += 2;
+    fetch = nullptr;
   }
-  if (R - r == 1) qk_rows<1, 8>(q + r * D, k, n, D, s + r * TC);
+  if (R - r == 1) qk_rows<1>(q + r * D, k, n, D, s + r * TC, fetch);
 }
 
 // ---- O += P V -----------------------------------------------------------------------------
 
-// o[r][0, NV * W) += sum_t p[r * TC + t] v[t][0, NV * W) for RB rows (o row stride D).
-template <int RB, int NV>
-inline void pv_tile(const float* p, const float* v, int n, int D, float* o) {
+// o[r][d0, d0 + NV * W) += sum_t p[r * TC + t] v_t[d0, ..) for RB rows (o row stride D).
+template <int RB, int NV, typename C>
+inline void pv_tile(const float* p, const C* const* v, int n, int d0, int D, float* o) {
   vf acc[RB][NV];
   for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * D + j * W);
+    for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * D + d0 + j * W);
   for (int t = 0; t < n; ++t) {
+    const C* vt = v[t] + d0;
     vf vv[NV];
-#pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) vv[j] = load(v + t * D + j * W);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) vv[j] = load_float(vt + j * W);
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       const vf pr = splat(p[r * TC + t]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(pr, vv[j], acc[r][j]);
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NV; ++j) store(o + r * D + j * W, acc[r][j]);
+    for (int j = 0; j < NV; ++j) store(o + r * D + d0 + j * W, acc[r][j]);
 }
 
-template <int RB, int NV>
-void pv_rows(const float* p, const float* v, int n, int D, float* o) {
+// Column chunks of 3 vectors for 4 rows (12 FMA chains), then 2 and 1 for the rest of D.
+template <int RB, typename C>
+void pv_rows(const float* p, const C* const* v, int n, int D, float* o, Ahead<C>* ahead) {
+  constexpr int NV = 12 / RB;
   int d = 0;
-  for (; d + NV * W <= D; d += NV * W) pv_tile<RB, NV>(p, v + d, n, D, o + d);
-  for (; d < D; d += W) pv_tile<RB, 1>(p, v + d, n, D, o + d);
+  for (; d + NV * W <= D; d += NV * W) {
+    if (ahead) ahead->fetch_v((d + NV * W) * TC / D);
+    pv_tile<RB, NV>(p, v, n, d, D, o);
+  }
+  if (d + 2 * W <= D) {
+    pv_tile<RB, 2>(p, v, n, d, D, o);
+    d += 2 * W;
+  }
+  for (; d < D; d += W) pv_tile<RB, 1>(p, v, n, d, D, o);
+  if (ahead) ahead->fetch_v(TC);
 }
 
-inline void pv(const float* p, int R, const float* v, int n, int D, float* o) {
+template <typename C>
+void pv(const float* p, int R, const C* const* v, int n, int D, float* o, Ahead<C>& ahead) {
   int r = 0;
-  for (; r + 4 <= R; r += 4) pv_rows<4, 2>(p + r * TC, v, n, D, o + r * D);
+  Ahead<C>* fetch = &ahead;
+  for (; r + 4 <= R; r += 4, fetch = nullptr) pv_rows<4>(p + r * TC, v, n, D, o + r * D, fetch);
   if (R - r >= 2) {
-    pv_rows<2, 4>(p + r * TC, v, n, D, o + r * D);
+    pv_rows<2>(p + r * TC, v, n, D, o + r * D, fetch);
     r += 2;
+    fetch = nullptr;
   }
-  if (R - r == 1) pv_rows<1, 8>(p + r * TC, v, n, D, o + r * D);
+  if (R - r == 1) pv_rows<1>(p + r * TC, v, n, D, o + r * D, fetch);
 }
 
 // ---- online softmax -----------------------------------------------------------------------
@@ -185,7 +251,7 @@ inline void pv(const float* p, int R, const float* v, int n, int D, float* o) {
 // m (updated), adds their sum to l and rescales the row's accumulator o.
 inline void softmax_row(const PagedAttentionParams& p, const ItemShape& shape, int r,
                         int64_t key0, int n, float* s, float* o, float& m, float& l) {
-  const int32_t qpos = shape.qpos0 + r / shape.group;
+  const int32_t qpos = shape.qpos0 + shape.query(r);
   const int64_t lo = p.sliding_window > 0 ? int64_t{qpos} - p.sliding_window + 1 : 0;
   const int a = static_cast<int>(std::max<int64_t>(0, lo - key0));
   const int b = static_cast<int>(std::min<int64_t>(n, int64_t{qpos} + 1 - key0));
@@ -194,7 +260,7 @@ inline void softmax_row(const PagedAttentionParams& p, const ItemShape& shape, i
     for (int t = 0; t < npad; ++t) s[t] = 0.f;
     return;
   }
-  const float slope = p.alibi_slopes ? p.alibi_slopes[shape.head0 + r % shape.group] : 0.f;
+  const float slope = p.alibi_slopes ? p.alibi_slopes[shape.head(r)] : 0.f;
   const float cap = p.soft_cap, inv_cap = cap > 0 ? 1.f / cap : 0.f;
   const float rel0 = static_cast<float>(key0 - qpos);  // key position - query position
   vf mx = splat(kNegInf);
@@ -225,7 +291,7 @@ inline void softmax_row(const PagedAttentionParams& p, const ItemShape& shape, i
 // ---- one work item ------------------------------------------------------------------------
 
 struct Scratch {
-  float *q, *o, *s, *m, *l, *k, *v;
+  float *q, *o, *s, *m, *l;
 };
 
 // Layout of scratch_floats(rows, D) floats for an item of R <= rows rows.
@@ -237,8 +303,6 @@ inline Scratch carve(float* base, int R, int D) {
   sc.s = sc.o + R * D;
   sc.m = sc.s + R * TC;
   sc.l = sc.m + r16;
-  sc.k = sc.l + r16;
-  sc.v = sc.k + TC * D;
   return sc;
 }
 
@@ -251,26 +315,47 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
   const float k_mul = cache_factor<C>() * (p.k_scale ? *p.k_scale : 1.f);
   const float v_mul = cache_factor<C>() * (p.v_scale ? *p.v_scale : 1.f);
   for (int r = 0; r < R; ++r) {
-    const int64_t token = shape.token0 + r / shape.group;
-    const int32_t head = shape.head0 + r % shape.group;
-    const char* src = static_cast<const char*>(p.query) +
-                      (token * p.q_token_stride + head * p.q_head_stride) * elem_bytes(p.dtype);
+    const int64_t token = shape.token0 + shape.query(r);
+    const char* src =
+        static_cast<const char*>(p.query) +
+        (token * p.q_token_stride + shape.head(r) * p.q_head_stride) * elem_bytes(p.dtype);
     load_row(p.dtype, src, D, p.scale * k_mul, sc.q + r * D);
     std::memset(sc.o + r * D, 0, D * sizeof(float));
     sc.m[r] = kNegInf;
     sc.l[r] = 0.f;
   }
-  const C* k_cache = static_cast<const C*>(p.key_cache) + w.kv_head * p.k_strides.head;
-  const C* v_cache = static_cast<const C*>(p.value_cache) + w.kv_head * p.v_strides.head;
   const int32_t* table = p.block_tables + w.seq * p.block_table_stride;
+  RowCursor k_cursor(p.k_strides, table, p.block_size, w.key_begin);
+  RowCursor v_cursor(p.v_strides, table, p.block_size, w.key_begin);
+  const int64_t ahead_begin = w.key_begin + int64_t{kPrefetchChunks} * TC;
+  RowCursor k_ahead(p.k_strides, table, p.block_size, ahead_begin);
+  RowCursor v_ahead(p.v_strides, table, p.block_size, ahead_begin);
+  int64_t k_off[TC], v_off[TC], k_ahead_off[TC], v_ahead_off[TC];
+  const C* k_rows[TC];  // the chunk's rows of one kv head
+  const C* v_rows[TC];
+  const int rph = shape.rows_per_head;
   for (int64_t key0 = w.key_begin; key0 < w.key_end; key0 += TC) {
     const int n = static_cast<int>(std::min<int64_t>(TC, w.key_end - key0));
-    gather(k_cache, p.k_strides, table, p.block_size, key0, n, D, sc.k);
-    gather(v_cache, p.v_strides, table, p.block_size, key0, n, D, sc.v);
-    qk(sc.q, R, sc.k, n, D, sc.s);
-    for (int r = 0; r < R; ++r)
-      softmax_row(p, shape, r, key0, n, sc.s + r * TC, sc.o + r * D, sc.m[r], sc.l[r]);
-    pv(sc.s, R, sc.v, n, D, sc.o);
+    const int n_ahead = static_cast<int>(
+        std::clamp<int64_t>(w.key_end - key0 - int64_t{kPrefetchChunks} * TC, 0, TC));
+    k_cursor.take(n, k_off);
+    v_cursor.take(n, v_off);
+    k_ahead.take(n_ahead, k_ahead_off);
+    v_ahead.take(n_ahead, v_ahead_off);
+    for (int h = 0; h < w.kv_heads; ++h) {  // consecutive heads: each block read in one sweep
+      const C* k = static_cast<const C*>(p.key_cache) + (w.kv_head + h) * p.k_strides.head;
+      const C* v = static_cast<const C*>(p.value_cache) + (w.kv_head + h) * p.v_strides.head;
+      for (int t = 0; t < n; ++t) {
+        k_rows[t] = k + k_off[t];
+        v_rows[t] = v + v_off[t];
+      }
+      Ahead<C> ahead{k, v, k_ahead_off, v_ahead_off, n_ahead, D * static_cast<int>(sizeof(C))};
+      const int r0 = h * rph;
+      qk(sc.q + r0 * D, rph, k_rows, n, D, sc.s + r0 * TC, ahead);
+      for (int r = r0; r < r0 + rph; ++r)
+        softmax_row(p, shape, r, key0, n, sc.s + r * TC, sc.o + r * D, sc.m[r], sc.l[r]);
+      pv(sc.s + r0 * TC, rph, v_rows, n, D, sc.o + r0 * D, ahead);
+    }
   }
   for (int r = 0; r < R; ++r) {
     const bool empty = sc.l[r] == 0.f;
@@ -283,7 +368,7 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
       std::memcpy(partials.out + row * D, o, D * sizeof(float));
       partials.lse[row] = lse;
     } else {
-      write_output(p, shape.token0 + r / shape.group, shape.head0 + r % shape.group, o, lse);
+      write_output(p, shape.token0 + shape.query(r), shape.head(r), o, lse);
     }
   }
 }
@@ -299,68 +384,7 @@ inline void attend(const PagedAttentionParams& p, const WorkItem& w, float* scra
   }
 }
 
-// ---- merging by log-sum-exp ---------------------------------------------------------------
-
-// dst = sum_i e^(lse_i - M) row_i / sum_i e^(lse_i - M) over count rows (row i at
-// rows + i * row_stride, its lse at lses[i * lse_stride]), M = max lse_i; returns the merged lse.
-// Rows with lse -inf (nothing attended) are skipped; all empty: dst = 0, lse -inf.
-inline float merge_rows(const float* rows, int64_t row_stride, const float* lses,
-                        int64_t lse_stride, int count, int D, float* dst) {
-  float m = kNegInf;
-  for (int i = 0; i < count; ++i) m = std::max(m, lses[i * lse_stride]);
-  for (int d = 0; d < D; d += W) store(dst + d, splat(0.f));
-  if (m == kNegInf) return kNegInf;
-  float total = 0.f;
-  for (int i = 0; i < count; ++i) {
-    const float lse = lses[i * lse_stride];
-    if (lse == kNegInf) continue;
-    const vf weight = splat(std::exp(lse - m));
-    total += weight[0];
-    const float* row = rows + i * row_stride;
-    for (int d = 0; d < D; d += W) store(dst + d, fmadd(weight, load(row + d), load(dst + d)));
-  }
-  const float inv = 1.f / total;
-  for (int d = 0; d < D; d += W) store(dst + d, load(dst + d) * inv);
-  return m + std::log(total);
-}
-
-// The slots of a split group are consecutive (see plan_work in attention.cpp).
-inline void merge_partials(const PagedAttentionParams& p, const WorkItem* items,
-                           const SplitGroup& group, const Partials& partials) {
-  const ItemShape shape = item_shape(p, items[group.first]);
-  const int D = p.head_size;
-  const int64_t slot0 = items[group.first].slot;
-  float merged[kMaxAttentionHeadSize];
-  for (int r = 0; r < shape.rows; ++r) {
-    const int64_t row0 = slot0 * partials.rows_per_slot + r;
-    const float lse = merge_rows(partials.out + row0 * D, int64_t{partials.rows_per_slot} * D,
-                                 partials.lse + row0, partials.rows_per_slot, group.count, D,
-                                 merged);
-    write_output(p, shape.token0 + r / shape.group, shape.head0 + r % shape.group, merged, lse);
-  }
-}
-
-inline void merge_attn_states(const MergeAttnParams& p, int64_t row_begin, int64_t row_end) {
-  const int D = p.head_size;
-  const int64_t bytes = elem_bytes(p.dtype);
-  float parts[2][kMaxAttentionHeadSize], merged[kMaxAttentionHeadSize];
-  for (int64_t row = row_begin; row < row_end; ++row) {
-    const int64_t t = row / p.num_heads, h = row % p.num_heads;
-    const char* prefix = static_cast<const char*>(p.prefix_out) +
-                         (t * p.prefix_token_stride + h * p.prefix_head_stride) * bytes;
-    const char* suffix = static_cast<const char*>(p.suffix_out) +
-                         (t * p.suffix_token_stride + h * p.suffix_head_stride) * bytes;
-    load_row(p.dtype, prefix, D, 1.f, parts[0]);
-    load_row(p.dtype, suffix, D, 1.f, parts[1]);
-    const float lses[2] = {
-        p.prefix_lse[t * p.prefix_lse_token_stride + h * p.prefix_lse_head_stride],
-        p.suffix_lse[t * p.suffix_lse_token_stride + h * p.suffix_lse_head_stride]};
-    const float lse = merge_rows(&parts[0][0], kMaxAttentionHeadSize, lses, 1, 2, D, merged);
-    char* out = static_cast<char*>(p.out) + (t * p.out_token_stride + h * p.out_head_stride) * bytes;
-    store_row(p.dtype, merged, D, out);
-    if (p.out_lse) p.out_lse[t * p.out_lse_token_stride + h * p.out_lse_head_stride] = lse;
-  }
-}
+#include "cpu/attention_merge.h"
 
 inline const AttentionKernels& kernels(const char* name) {
   static const AttentionKernels k{name, &attend, &merge_partials, &merge_attn_states};

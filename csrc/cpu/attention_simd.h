@@ -31,8 +31,23 @@ inline V load_raw(const T* p) {
 }
 inline vf load(const float* p) { return load_raw<vf>(p); }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
+inline vf splat(float x) {
+#if PKV_ISA == 2
+  return _mm512_set1_ps(x);
+#elif PKV_ISA == 1
+  return _mm256_set1_ps(x);
+#else
+  vf v;
+  for (int i = 0; i < W; ++i) v[i] = x;
+  return v;
+#endif
+}
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// Asks for the cache lines of [p, p + bytes) ahead of their use.
+inline void prefetch(const void* p, int bytes) {
+  for (int i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 3);
+}
 
 inline vi iota() {
   vi v;
@@ -106,7 +121,13 @@ inline vf half_to_float(vh h) {
 // callers fold the 256 into their scales, see cache_factor): its bits moved into a half.
 inline vf load_float(const float* p) { return load(p); }
 inline vf load_float(const bf16_t* p) {
+#if PKV_ISA == 2
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_raw<__m256i>(p)), 16);
+#elif PKV_ISA == 1
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_raw<__m128i>(p)), 16);
+#else
   return (vf)(__builtin_convertvector(load_raw<vh>(p), vu) << 16);
+#endif
 }
 inline vf load_float(const f16_t* p) { return half_to_float(load_raw<vh>(p)); }
 inline vf load_float(const e5m2_t* p) {

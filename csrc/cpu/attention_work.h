@@ -1,8 +1,9 @@
 // The CPU attention's unit of work and the per-ISA kernel table. Torch-free.
 //
-// A work item is one (sequence, kv head, query tile, key range): the rows of the item are the
-// query heads of the kv head's group for each query token of the tile, so every K/V element read
-// serves all of them. A long key range is split into several items (split-K); each writes a
+// A work item is one (sequence, kv heads, query tile, key range): its rows are, for each of its
+// kv heads, that head's query heads times the tile's query tokens, so every K/V element read
+// serves all of them. Decode items take all kv heads, so that each cache block (all heads of
+// its tokens, contiguous) is read as one piece. A long key range is split into several items (split-K); each writes a
 // normalized partial output and its lse to a slot, and merge_partials combines the slots.
 #pragma once
 #include <stdint.h>
@@ -12,7 +13,8 @@
 namespace pagedkv::cpu {
 
 struct WorkItem {
-  int32_t seq, kv_head;
+  int32_t seq;
+  int32_t kv_head, kv_heads;   // kv heads [kv_head, kv_head + kv_heads)
   int32_t q_begin, q_count;    // query tokens [q_begin, q_begin + q_count) of the sequence
   int32_t key_begin, key_end;  // key positions [key_begin, key_end)
   int64_t slot;                // partial slot, or -1: write out / lse_out directly
@@ -35,7 +37,7 @@ constexpr int kKeysPerChunk = 32;  // keys gathered, converted and processed tog
 
 // Floats of per-thread scratch for items of at most max_rows rows.
 inline int64_t scratch_floats(int64_t max_rows, int64_t head_size) {
-  return max_rows * (2 * head_size + kKeysPerChunk + 2) + 2 * kKeysPerChunk * head_size + 64;
+  return max_rows * (2 * head_size + kKeysPerChunk + 2) + 64;
 }
 
 struct AttentionKernels {

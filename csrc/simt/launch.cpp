@@ -150,6 +150,25 @@ void set_workers(int n) {
 int workers() { return settings().workers; }
 
 cudaError_t get_last_error() { return cudaSuccess; }
+cudaError_t get_device(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device != 0) return cudaErrorInvalidDevice;
+  switch (attr) {
+    case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
+    case cudaDevAttrMaxSharedMemoryPerBlock: *value = 48 * 1024; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = 227 * 1024; break;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = 228 * 1024; break;
+    case cudaDevAttrWarpSize: *value = 32; break;
+    case cudaDevAttrMultiProcessorCount: *value = 132; break;
+    case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
 cudaError_t memcpy_async(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t) {
   if (bytes) std::memmove(dst, src, bytes);
   return cudaSuccess;

@@ -107,8 +107,16 @@ class Launcher {
   size_t smem_;
 };
 
-// Host runtime shims (see simt.h): synchronous, any copy kind, always cudaSuccess.
+// Host runtime shims (see simt.h): synchronous, any copy kind, always cudaSuccess. The
+// emulated device is one sm_90-like GPU: 132 SMs, 48 KiB shared memory per block (227 KiB
+// opt-in, the most a launch may ask for), 1024 threads per block.
 cudaError_t get_last_error();
+cudaError_t get_device(int* device);
+cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int device);
+template <typename Kernel>
+cudaError_t func_set_attribute(Kernel, cudaFuncAttribute, int) {
+  return cudaSuccess;
+}
 cudaError_t memcpy_async(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                          cudaStream_t stream = nullptr);
 cudaError_t memset_async(void* dst, int value, size_t bytes, cudaStream_t stream = nullptr);

@@ -42,6 +42,13 @@ void votes(const int32_t* pred, uint32_t* out, int threads);
 // atomicMax of global thread id, atomicAdd float count, atomicCAS-increment count).
 void atomics(int32_t* counters, int blocks, int threads);
 
+// Warp sums in a block of n threads (n need not be a multiple of 32): each warp reduces with
+// __shfl_down_sync over the mask of its existing lanes, discarding reads past its last lane.
+// x [n] -> out [ceil(n / 32)]. Also out_of_mask [16]: lanes 0-15 shuffle down by 1 within mask
+// 0xffff, so lane 15 reads lane 16, outside the mask: undefined, all ones in the emulator.
+void partial_warp_sums(const float* x, float* out, int n);
+void shuffle_outside_mask(const float* x, float* out_of_mask);
+
 // Missing __syncthreads between a dynamic shared memory write and a neighbour's read:
 // out[t] = in[min(t + 1, n - 1)] when the fibers happen to run in a kind order.
 void missing_barrier(const float* in, float* out, int n);

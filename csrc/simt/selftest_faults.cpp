@@ -60,12 +60,6 @@ __global__ void mask_excludes_caller_kernel(float* buf) {
   buf[threadIdx.x] = __shfl_sync(0x1u, buf[threadIdx.x], 0);
 }
 
-// block 32: lane 15 of a 16-lane mask reads lane 16.
-__global__ void read_outside_mask_kernel(float* buf) {
-  const int t = threadIdx.x;
-  if (t < 16) buf[t] = __shfl_down_sync(0x0000ffffu, buf[t], 1);
-}
-
 // grid 2, block 32: thread 5 of block 1 traps.
 __global__ void trap_kernel(float* buf) {
   if (blockIdx.x == 1 && threadIdx.x == 5) __trap();
@@ -108,7 +102,6 @@ const std::map<std::string, Fault>& faults() {
       {"disagree_mask", {disagree_mask_kernel, 1, 32}},
       {"deadlock", {deadlock_kernel, 1, 32}},
       {"mask_excludes_caller", {mask_excludes_caller_kernel, 1, 32}},
-      {"read_outside_mask", {read_outside_mask_kernel, 1, 32}},
       {"trap", {trap_kernel, 2, 32}},
       {"assert", {assert_kernel, 1, 32}},
       {"oversized_block", {oversized_block_kernel, 1, 2048}},

@@ -143,6 +143,24 @@ __global__ void atomics_kernel(int32_t* __restrict__ counters) {  // [4]
   while ((seen = atomicCAS(&counters[3], old, old + 1)) != old) old = seen;
 }
 
+__global__ void partial_warp_sums_kernel(const float* __restrict__ x,  // [n]
+                                         float* __restrict__ out,       // [ceil(n / 32)]
+                                         int n) {
+  const int t = threadIdx.x, lane = t % 32, lanes = min(32, n - (t - lane));
+  const unsigned mask = lanes == 32 ? kFull : (1u << lanes) - 1;
+  float v = x[t];
+  for (int off = 16; off > 0; off /= 2) {
+    const float other = __shfl_down_sync(mask, v, off);
+    if (lane + off < lanes) v += other;
+  }
+  if (lane == 0) out[t / 32] = v;
+}
+
+__global__ void shuffle_outside_mask_kernel(const float* __restrict__ x,  // [16]
+                                            float* __restrict__ out) {    // [16]
+  out[threadIdx.x] = __shfl_down_sync(0x0000ffffu, x[threadIdx.x], 1);
+}
+
 __global__ void missing_barrier_kernel(const float* __restrict__ in,  // [n]
                                        float* __restrict__ out) {     // [n]
   PAGEDKV_DYNAMIC_SMEM(float, s);  // [n]
@@ -173,6 +191,15 @@ void transpose(const float* in, float* out, int rows, int cols) {
 }
 
 void reverse_blocks(const float* in, float* out, int blocks, int n) {
+  // What a launcher does before asking for more than 48 KiB (a no-op check here).
+  int device = -1, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess ||
+      cudaFuncSetAttribute(reverse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin) !=
+          cudaSuccess) {
+    throw simt::Error("reverse_blocks: device attribute shims failed");
+  }
   PAGEDKV_LAUNCH(reverse_kernel, blocks, n, n * sizeof(float), nullptr)(in, out);
 }
 
@@ -204,6 +231,14 @@ void votes(const int32_t* pred, uint32_t* out, int threads) {
 
 void atomics(int32_t* counters, int blocks, int threads) {
   PAGEDKV_LAUNCH(atomics_kernel, blocks, threads, 0, nullptr)(counters);
+}
+
+void partial_warp_sums(const float* x, float* out, int n) {
+  PAGEDKV_LAUNCH(partial_warp_sums_kernel, 1, n, 0, nullptr)(x, out, n);
+}
+
+void shuffle_outside_mask(const float* x, float* out_of_mask) {
+  PAGEDKV_LAUNCH(shuffle_outside_mask_kernel, 1, 16, 0, nullptr)(x, out_of_mask);
 }
 
 void missing_barrier(const float* in, float* out, int n) {

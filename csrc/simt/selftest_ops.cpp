@@ -111,6 +111,23 @@ at::Tensor atomics(int64_t blocks, int64_t threads) {
   return counters;
 }
 
+// x [n] float32 -> [ceil(n / 32)] warp sums
+at::Tensor partial_warp_sums(const at::Tensor& x) {
+  check_input(x, "x", at::kFloat);
+  auto out = at::empty({(x.numel() + 31) / 32}, x.options());
+  simt_selftest::partial_warp_sums(x.data_ptr<float>(), out.data_ptr<float>(), int(x.numel()));
+  return out;
+}
+
+// x [16] float32 -> [16]: lanes 0-14 read their neighbour, lane 15 an undefined value
+at::Tensor shuffle_outside_mask(const at::Tensor& x) {
+  check_input(x, "x", at::kFloat);
+  TORCH_CHECK(x.numel() == 16, "x must hold 16 values");
+  auto out = at::empty_like(x);
+  simt_selftest::shuffle_outside_mask(x.data_ptr<float>(), out.data_ptr<float>());
+  return out;
+}
+
 // x [n] float32 -> [n]: the racy neighbour read of missing_barrier_kernel
 at::Tensor missing_barrier(const at::Tensor& x) {
   check_input(x, "x", at::kFloat);
@@ -137,6 +154,8 @@ TORCH_LIBRARY(pagedkv_simt_test, m) {
   m.def("grid3d(int[] grid, int[] block) -> Tensor", &grid3d);
   m.def("votes(Tensor pred) -> Tensor", &votes);
   m.def("atomics(int blocks, int threads) -> Tensor", &atomics);
+  m.def("partial_warp_sums(Tensor x) -> Tensor", &partial_warp_sums);
+  m.def("shuffle_outside_mask(Tensor x) -> Tensor", &shuffle_outside_mask);
   m.def("missing_barrier(Tensor x) -> Tensor", &missing_barrier);
   m.def("run_fault(str name) -> ()", &run_fault);
   m.def("fault_names() -> str[]", &fault_names);

@@ -47,5 +47,8 @@
 
 // Runtime calls made by kernel launchers: synchronous host versions, errors are exceptions.
 #define cudaGetLastError ::simt::get_last_error
+#define cudaGetDevice ::simt::get_device
+#define cudaDeviceGetAttribute ::simt::device_get_attribute
+#define cudaFuncSetAttribute ::simt::func_set_attribute
 #define cudaMemcpyAsync ::simt::memcpy_async
 #define cudaMemsetAsync ::simt::memset_async
