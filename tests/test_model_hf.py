@@ -31,6 +31,15 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is faster, and fair to a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_hf_model(seed: int = 0, **overrides) -> torch.nn.Module:
     """A random HF LlamaForCausalLM from a tiny config (no download)."""
     kwargs = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
