@@ -21,7 +21,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
-    """Converts ``x`` to a cache dtype; fp8 divides by ``scale`` and saturates to the finite range."""
+    """Converts ``x`` to a cache dtype; fp8 divides by ``scale`` and saturates."""
     if dtype not in FP8_DTYPES:
         return x.to(dtype)
     limit = torch.finfo(dtype).max
