@@ -22,7 +22,7 @@ from torch import nn
 
 from . import ops
 from .cache import PagedKVCache
-from .manager import BatchTensors
+from .batch import BatchTensors
 from .spec import KVCacheSpec
 
 __all__ = ["LlamaForCausalLM", "ModelConfig"]
