@@ -59,13 +59,15 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]
 
 def paged_generate(model: LlamaForCausalLM, prompts: list[list[int]], max_new: int,
                    block_size: int = 4, forced: list[list[int]] | None = None,
+                   cache_dtype: torch.dtype | None = None,
                    ) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy tokens per prompt and logits ``[steps, num_prompts, vocab]``.
 
     With ``forced``, those tokens are fed instead of the argmax (teacher forcing).
     """
     dtype = next(model.parameters()).dtype
-    cache = PagedKVCache(model.config.kv_cache_spec(block_size, dtype), num_blocks=128)
+    spec = model.config.kv_cache_spec(block_size, dtype, cache_dtype)
+    cache = PagedKVCache(spec, num_blocks=128)
     manager = BlockManager(cache, enable_prefix_caching=False, debug_nan=True)
     ids = list(range(len(prompts)))
     for i, prompt in enumerate(prompts):
@@ -135,6 +137,16 @@ def test_bfloat16_logits_close_to_hf() -> None:
         ours_err = (ours[:, i] - exact).abs().max().item()
         hf_err = (hf_step_logits(hf_bf16, prompt, greedy[i]) - exact).abs().max().item()
         assert ours_err <= 2 * hf_err + 0.02, (i, ours_err, hf_err)
+
+
+@pytest.mark.parametrize("cache_dtype,tolerance", [(torch.float8_e4m3fn, 0.1),
+                                                   (torch.float8_e5m2, 0.2)])
+def test_fp8_kv_cache_logits_close(cache_dtype: torch.dtype, tolerance: float) -> None:
+    """fp8 K/V (scale 1): max logit error within ``tolerance`` x the largest |logit|."""
+    model = LlamaForCausalLM.from_hf(tiny_hf_model(**CONFIGS["gqa"]))
+    greedy, exact = paged_generate(model, PROMPTS, MAX_NEW)
+    _, ours = paged_generate(model, PROMPTS, MAX_NEW, forced=greedy, cache_dtype=cache_dtype)
+    assert (ours - exact).abs().max() <= tolerance * exact.abs().max()
 
 
 def test_config_from_hf_and_tied_state_dict() -> None:

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .cache import PagedKVCache
 from .batch import BatchTensors
+from .cache import PagedKVCache
 from .spec import KVCacheSpec
 
 __all__ = ["LlamaForCausalLM", "ModelConfig"]
