@@ -139,6 +139,8 @@ def format_report(report: dict[str, Any]) -> str:
                      else run[key])
             cells.append(f"{value:>14}")
         lines.append(f"{label:26}{''.join(cells)}")
+    lines.append("KV memory waste: share of the allocated KV slots that held no token, "
+                 "averaged over engine steps")
     lines.append(f"same greedy tokens in both runs: {report['outputs_match']}")
     return "\n".join(lines)
 
@@ -157,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report = run_demo(args.requests, args.system_prompt_len, args.max_prompt, args.max_tokens,
                       args.max_model_len, args.kv_budget_requests, args.block_size, args.device,
                       getattr(torch, args.dtype), args.seed)
