@@ -10,6 +10,8 @@ Environment switches:
   TORCH_CUDA_ARCH_LIST  GPU archs to build for (default here "8.0;9.0" when no GPU is visible)
   MAX_JOBS           parallel compile jobs (default: the number of cores)
   CUDA_HOME          toolkit root (default: derived from the real path of nvcc)
+  PAGEDKV_EXT=0      no native modules (used by `make` to install the source tree editable once,
+                     while the modules themselves are built in place, incrementally)
 """
 
 import glob
@@ -49,7 +51,8 @@ def switch(name: str, available: bool, why: str) -> bool:
 
 
 def sources(*patterns: str) -> list[str]:
-    return sorted(str(p) for pat in patterns for p in ROOT.glob(pat))
+    """Relative paths, as setuptools requires."""
+    return sorted(str(p.relative_to(ROOT)) for pat in patterns for p in ROOT.glob(pat))
 
 
 CUDA_HOME = cuda_home()
@@ -102,7 +105,9 @@ def simt_extension() -> cpp_extension.CppExtension:
 
 
 extensions = [c_extension()]
-if WITH_SIMT and glob.glob(str(ROOT / "csrc/simt/*.cpp")):
+if os.environ.get("PAGEDKV_EXT") == "0":
+    extensions = []
+elif WITH_SIMT and glob.glob(str(ROOT / "csrc/simt/*.cpp")):
     extensions.append(simt_extension())
 
 setup(

@@ -1,0 +1,55 @@
+# Developer entry points. Each target sets up what it needs: a venv with pinned torch and tools,
+# then the extension built in place (nvcc CUDA kernels when torch has CUDA and nvcc is found).
+#
+#   make bench             set up, build, run every microbenchmark (the main job)
+#   make test              set up, build, run the test suite (what CI runs)
+#   make test TORCH=2.13.0 the same against the CPU-only torch build (no nvcc use)
+
+TORCH ?= 2.14.1
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pagedkv-torch-$(TORCH)
+export MAX_JOBS ?= $(shell nproc)
+ifeq ($(TORCH),2.13.0)
+export PAGEDKV_CUDA ?= 0
+endif
+
+.PHONY: setup build test bench lint ctest clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.pagedkv-torch-*
+	$(PY) -m pip install -q torch==$(TORCH) -r requirements-dev.txt
+	touch $@
+
+EDITABLE := $(VENV)/.pagedkv-editable
+
+build: setup $(EDITABLE)
+	$(PY) setup.py -q build_ext --inplace
+
+# The source tree on the venv's path and the `pagedkv` command, once; the modules are built in
+# place by build_ext above, so rebuilds are incremental.
+$(EDITABLE): pyproject.toml
+	PAGEDKV_EXT=0 $(PY) -m pip install -q --no-build-isolation --no-deps \
+		--config-settings editable_mode=compat -e .
+	touch $@
+
+test: build
+	$(PY) -m pytest -q
+
+bench: build
+	$(PY) -m bench
+
+lint: setup
+	$(VENV)/bin/ruff check python tests bench setup.py
+
+ctest:
+	cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build build/cmake
+	ctest --test-dir build/cmake --output-on-failure
+
+clean:
+	rm -rf build python/pagedkv/*.so
