@@ -101,6 +101,14 @@ def test_eos_stops_a_request(hf, expected) -> None:
     assert out == expected[3][:expected[3].index(eos) + 1]
 
 
+def test_temperature_sampling_is_seeded(hf, expected) -> None:
+    sampling = [SamplingParams(max_tokens=n, temperature=1.0) for n in MAX_TOKENS]
+    runs = [make_engine(hf, block_size=4, num_blocks=64, seed=7).generate(PROMPTS, sampling)
+            for _ in range(2)]
+    assert runs[0] == runs[1] != expected
+    assert [len(out) for out in runs[0]] == MAX_TOKENS
+
+
 def test_rejects_a_request_larger_than_the_cache(hf) -> None:
     engine = make_engine(hf, block_size=4, num_blocks=4)
     with pytest.raises(ValueError, match="exceeds"):
