@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu/stream_copy.h"
 #include "glue/cache_args.h"
 
 namespace pagedkv {
@@ -28,9 +29,9 @@ Fp8 quantize(float x) {
 }
 
 template <typename Src, typename Cache>
-void write_row(const Src* src, Cache* dst, int64_t n, float scale) {
+void write_row(const Src* src, Cache* dst, int64_t n, float scale, bool streaming) {
   if constexpr (std::is_same_v<Src, Cache>) {
-    std::memcpy(dst, src, n * sizeof(Src));
+    cpu::copy_bytes(dst, src, n * sizeof(Src), streaming);
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = quantize<Cache>(static_cast<float>(src[i]) / scale);
   }
@@ -41,6 +42,7 @@ void reshape_and_cache_typed(const ReshapeAndCacheParams& p) {
   const float k_scale = p.k_scale ? *p.k_scale : 1.f;
   const float v_scale = p.v_scale ? *p.v_scale : 1.f;
   const int64_t token_bytes = 2 * p.num_kv_heads * p.head_size * sizeof(Src);
+  const bool streaming = p.num_tokens * token_bytes >= cpu::kStreamingBytes;
   at::parallel_for(0, p.num_tokens, grain_for(token_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = p.slot_mapping[t];
@@ -55,11 +57,12 @@ void reshape_and_cache_typed(const ReshapeAndCacheParams& p) {
                            offset * p.v_strides.token;
       for (int32_t h = 0; h < p.num_kv_heads; ++h) {
         write_row(key + h * p.key_head_stride, key_cache + h * p.k_strides.head, p.head_size,
-                  k_scale);
+                  k_scale, streaming);
         write_row(value + h * p.value_head_stride, value_cache + h * p.v_strides.head,
-                  p.head_size, v_scale);
+                  p.head_size, v_scale, streaming);
       }
     }
+    if (streaming) cpu::stream_fence();
   });
 }
 
@@ -88,17 +91,17 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 // Copies one block of one cache row by row (a row is one token of one head), or in one piece
 // when the block is stored contiguously in HND order.
 void copy_block(char* cache, const CacheStrides& s, int64_t src, int64_t dst, int32_t heads,
-                int32_t block_size, int32_t row_bytes) {
+                int32_t block_size, int32_t row_bytes, bool streaming) {
   char* from = cache + src * s.block;
   char* to = cache + dst * s.block;
   if (s.token == row_bytes && s.head == block_size * s.token) {
-    std::memcpy(to, from, static_cast<size_t>(heads) * block_size * row_bytes);
+    cpu::copy_bytes(to, from, static_cast<size_t>(heads) * block_size * row_bytes, streaming);
     return;
   }
   for (int32_t h = 0; h < heads; ++h) {
     for (int32_t t = 0; t < block_size; ++t) {
       const int64_t off = h * s.head + t * s.token;
-      std::memcpy(to + off, from + off, row_bytes);
+      cpu::copy_bytes(to + off, from + off, row_bytes, streaming);
     }
   }
 }
@@ -108,6 +111,7 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
   for (const CopyBlocksParams& p : copy_blocks_params(key_caches, value_caches, block_mapping)) {
     const int64_t block_bytes = 2LL * p.num_kv_heads * p.block_size * p.row_bytes;
     const int64_t items = p.num_pairs * p.num_layers;
+    const bool streaming = items * block_bytes >= cpu::kStreamingBytes;
     at::parallel_for(0, items, grain_for(block_bytes), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t pair = i / p.num_layers;
@@ -115,10 +119,11 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
         const int64_t src = p.block_mapping[2 * pair];
         const int64_t dst = p.block_mapping[2 * pair + 1];
         copy_block(p.key_caches[layer], p.k_strides_bytes, src, dst, p.num_kv_heads,
-                   p.block_size, p.row_bytes);
+                   p.block_size, p.row_bytes, streaming);
         copy_block(p.value_caches[layer], p.v_strides_bytes, src, dst, p.num_kv_heads,
-                   p.block_size, p.row_bytes);
+                   p.block_size, p.row_bytes, streaming);
       }
+      if (streaming) cpu::stream_fence();
     });
   }
 }
@@ -126,11 +131,14 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
 void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
   TORCH_CHECK(dst.is_cpu(), "swap_blocks: dst must be on the CPU when src is, got ", dst.device());
   const SwapBlocksParams p = swap_blocks_params(src, dst, block_mapping);
+  const bool streaming = p.num_pairs * p.block_bytes >= cpu::kStreamingBytes;
   at::parallel_for(0, p.num_pairs, grain_for(p.block_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      std::memcpy(p.dst + p.block_mapping[2 * i + 1] * p.dst_block_stride_bytes,
-                  p.src + p.block_mapping[2 * i] * p.src_block_stride_bytes, p.block_bytes);
+      cpu::copy_bytes(p.dst + p.block_mapping[2 * i + 1] * p.dst_block_stride_bytes,
+                      p.src + p.block_mapping[2 * i] * p.src_block_stride_bytes, p.block_bytes,
+                      streaming);
     }
+    if (streaming) cpu::stream_fence();
   });
 }
 
