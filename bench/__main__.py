@@ -7,7 +7,8 @@ import importlib
 
 import torch
 
-SUITES = ["bench.bench_cache", "bench.bench_attention", "bench.bench_manager"]
+# suite -> whether it times device kernels (and so takes --device); the manager's is host-only.
+SUITES = {"bench.bench_cache": True, "bench.bench_attention": True, "bench.bench_manager": False}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -15,15 +16,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
     args = parser.parse_args(argv)
-    forwarded = ["--device", args.device] + (["--quick"] if args.quick else [])
-    for name in SUITES:
+    quick = ["--quick"] if args.quick else []
+    for name, on_device in SUITES.items():
         try:
             suite = importlib.import_module(name)
         except ModuleNotFoundError as e:
             if e.name != name:
                 raise
             continue
-        suite.main(forwarded)
+        suite.main((["--device", args.device] if on_device else []) + quick)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,12 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "attention_logits",
     "copy_blocks",
     "dequantize",
     "gather_kv",
+    "merge_attn_states",
+    "paged_attention",
     "quantize",
     "reshape_and_cache",
     "swap_blocks",
@@ -83,3 +86,113 @@ def gather_kv(
     blocks = block_table.to(key_cache.device).long()[positions // block_size]
     offsets = positions % block_size
     return key_cache[blocks, :, offsets], value_cache[blocks, :, offsets]
+
+
+def query_ranges(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None
+) -> list[tuple[int, int, int]]:
+    """(first token, q_len, seq_len) of every sequence: decode has one query token per sequence."""
+    lens = seq_lens.tolist()
+    if query_start_loc is None:
+        return [(i, 1, n) for i, n in enumerate(lens)]
+    starts = query_start_loc.tolist()
+    return [(starts[i], starts[i + 1] - starts[i], n) for i, n in enumerate(lens)]
+
+
+def attention_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window: int,
+    soft_cap: float,
+) -> torch.Tensor:
+    """Logits ``[num_heads, q_len, seq_len]`` of a sequence's queries (its last positions).
+
+    ``q`` is ``[q_len, num_heads, head_size]``, ``k`` ``[seq_len, num_heads, head_size]`` (kv
+    heads already repeated for their query heads), both in the compute dtype. Masked entries
+    are -inf: keys after the query (causal) and, with a window, keys ``window`` or more before.
+    """
+    q_len = q.shape[0]
+    logits = scale * torch.einsum("qhd,khd->hqk", q, k)
+    if soft_cap > 0:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(q.device, logits.dtype)[:, None, None]
+        logits = logits + slopes * (k_pos - q_pos).to(logits.dtype)
+    masked = k_pos > q_pos
+    if sliding_window > 0:
+        masked |= q_pos - k_pos >= sliding_window
+    return logits.masked_fill(masked, float("-inf"))
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    max_seq_len: int,
+    max_query_len: int,
+    scale: float,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window: int,
+    soft_cap: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+) -> None:
+    """Attention of each query token over its sequence's paged K/V, computed in ``compute_dtype``.
+
+    Writes ``out`` (cast to its dtype) and ``lse_out`` (float32) in place. A sequence with
+    seq_len 0 gets zeros and lse -inf. ``max_seq_len`` and ``max_query_len`` are unused here.
+    """
+    group = query.shape[1] // key_cache.shape[1]
+    for seq, (first, q_len, seq_len) in enumerate(query_ranges(seq_lens, query_start_loc)):
+        rows = slice(first, first + q_len)
+        if seq_len == 0 or q_len == 0:
+            out[rows] = 0
+            if lse_out is not None:
+                lse_out[rows] = float("-inf")
+            continue
+        k, v = gather_kv(key_cache, value_cache, block_tables[seq], seq_len)
+        k = dequantize(k, k_scale).to(compute_dtype).repeat_interleave(group, dim=1)
+        v = dequantize(v, v_scale).to(compute_dtype).repeat_interleave(group, dim=1)
+        q = query[rows].to(compute_dtype)
+        logits = attention_logits(q, k, seq_len, scale, alibi_slopes, sliding_window, soft_cap)
+        lse = torch.logsumexp(logits, dim=-1)  # [num_heads, q_len]
+        probs = torch.exp(logits - lse[..., None])
+        out[rows] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+        if lse_out is not None:
+            lse_out[rows] = lse.T.float()
+
+
+def merge_attn_states(
+    out: torch.Tensor,
+    out_lse: torch.Tensor | None,
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+) -> None:
+    """Combines two attentions over disjoint key sets by their log-sum-exp, in float32.
+
+    An lse of -inf marks an empty part; both empty gives zeros and -inf.
+    """
+    lse = torch.logaddexp(prefix_lse, suffix_lse)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    wp = torch.exp(prefix_lse - safe)[..., None]
+    ws = torch.exp(suffix_lse - safe)[..., None]
+    merged = torch.where(wp > 0, wp * prefix_out.float(), 0.0) + torch.where(
+        ws > 0, ws * suffix_out.float(), 0.0
+    )
+    out.copy_(merged.to(out.dtype))
+    if out_lse is not None:
+        out_lse.copy_(lse)

@@ -1,0 +1,170 @@
+// CPU glue of the attention ops: checks (glue/attention_args.h), the instruction set, the work
+// plan, and the threads. Work items (cpu/attention_work.h) are taken from a shared counter by
+// every thread of ATen's pool, so uneven sequences balance; long key ranges are split so that
+// one long sequence also keeps every thread busy, then merged by log-sum-exp.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cpu/attention_work.h"
+#include "glue/attention_args.h"
+
+namespace pagedkv::cpu {
+namespace {
+
+constexpr int kMaxRowsPerItem = 64;   // varlen: query rows (heads x tokens) sharing a K/V read
+constexpr int kMinKeysPerItem = 256;  // split-K never makes items shorter than this
+constexpr int kItemsPerThread = 4;    // split until the items are about this many per thread
+
+// The kernels of the widest instruction set this processor has (W must divide head_size).
+// PAGEDKV_CPU_ISA=base|avx2|avx512 asks for a narrower one (tests, benchmarks).
+const AttentionKernels& select_kernels(int32_t head_size) {
+  const char* env = std::getenv("PAGEDKV_CPU_ISA");
+  const std::string want = env ? env : "";
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+  if (want == "base") return kernels_base();
+  if (avx512 && head_size % 16 == 0 && (want.empty() || want == "avx512")) return kernels_avx512();
+  if (avx2) return kernels_avx2();
+#endif
+  return kernels_base();
+}
+
+struct Plan {
+  std::vector<WorkItem> items;
+  std::vector<SplitGroup> splits;
+  int64_t num_slots = 0;
+  int32_t rows_per_item = 0;
+};
+
+struct QueryTile {
+  int32_t q_begin, q_count, key_begin, key_end;
+};
+
+// Calls f(seq, tile) for every query tile of every sequence with at least one query.
+template <typename F>
+void for_each_tile(const PagedAttentionParams& p, int32_t q_tile, F&& f) {
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    const int32_t L = p.seq_lens[s];
+    const int32_t q_len =
+        p.query_start_loc ? p.query_start_loc[s + 1] - p.query_start_loc[s] : 1;
+    for (int32_t q0 = 0; q0 < q_len; q0 += q_tile) {
+      const int32_t count = std::min(q_tile, q_len - q0);
+      const int32_t first_pos = L - q_len + q0;  // the tile's queries: first_pos ..
+      const int32_t key_begin =
+          p.sliding_window > 0 ? std::max(0, first_pos - p.sliding_window + 1) : 0;
+      f(s, QueryTile{q0, count, std::min(key_begin, L), std::max(0, first_pos + count)});
+    }
+  }
+}
+
+Plan plan_work(const PagedAttentionParams& p, int threads) {
+  const int32_t group = p.num_heads / p.num_kv_heads;
+  const bool decode = p.query_start_loc == nullptr;
+  const int32_t heads_per_item = decode ? p.num_kv_heads : 1;
+  const int32_t q_tile =
+      decode ? 1 : std::max(1, std::min(kMaxRowsPerItem / group, p.max_query_len));
+  Plan plan;
+  plan.rows_per_item = heads_per_item * group * q_tile;
+  const int32_t head_items = p.num_kv_heads / heads_per_item;
+  int64_t total_keys = 0;
+  for_each_tile(p, q_tile, [&](int32_t, const QueryTile& t) {
+    total_keys += int64_t{t.key_end - t.key_begin} * head_items;
+  });
+  const int64_t target = std::max<int64_t>(1, int64_t{kItemsPerThread} * threads);
+  int64_t part = std::max<int64_t>(kMinKeysPerItem, (total_keys + target - 1) / target);
+  part = (part + kKeysPerChunk - 1) / kKeysPerChunk * kKeysPerChunk;
+  for_each_tile(p, q_tile, [&](int32_t s, const QueryTile& t) {
+    const int64_t keys = t.key_end - t.key_begin;
+    const int32_t parts = static_cast<int32_t>(std::max<int64_t>(1, (keys + part - 1) / part));
+    for (int32_t h = 0; h < p.num_kv_heads; h += heads_per_item) {
+      if (parts > 1) plan.splits.push_back({static_cast<int64_t>(plan.items.size()), parts});
+      for (int32_t i = 0; i < parts; ++i) {
+        const int32_t begin = static_cast<int32_t>(t.key_begin + i * part);
+        const int32_t end = static_cast<int32_t>(std::min<int64_t>(t.key_end, begin + part));
+        const int64_t slot = parts > 1 ? plan.num_slots++ : -1;
+        plan.items.push_back({s, h, heads_per_item, t.q_begin, t.q_count, begin, end, slot});
+      }
+    }
+  });
+  return plan;
+}
+
+// Runs f(worker, index) for index in [0, n) on every thread, each taking the next index.
+template <typename F>
+void run_dynamic(int64_t workers, int64_t n, F&& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = next++; i < n; i = next++) f(worker, i);
+    }
+  });
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const c10::optional<at::Tensor>& query_start_loc,
+                     int64_t max_seq_len, int64_t max_query_len, double scale,
+                     const c10::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                     double soft_cap, const c10::optional<at::Tensor>& k_scale,
+                     const c10::optional<at::Tensor>& v_scale,
+                     const c10::optional<at::Tensor>& lse_out) {
+  const PagedAttentionParams p = paged_attention_params(
+      out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_seq_len,
+      max_query_len, scale, alibi_slopes, sliding_window, soft_cap, k_scale, v_scale, lse_out);
+  if (p.num_tokens == 0 || p.num_heads == 0) return;
+  const AttentionKernels& k = select_kernels(p.head_size);
+  const int threads = at::get_num_threads();
+  const Plan plan = plan_work(p, threads);
+  const int64_t n = static_cast<int64_t>(plan.items.size());
+  const int64_t workers = std::min<int64_t>(threads, n);
+  const int64_t per_worker = (scratch_floats(plan.rows_per_item, p.head_size) + 15) / 16 * 16;
+  at::Tensor scratch = at::empty({workers * per_worker}, query.options().dtype(at::kFloat));
+  at::Tensor partial_out, partial_lse;
+  Partials partials{nullptr, nullptr, plan.rows_per_item};
+  if (plan.num_slots > 0) {
+    const int64_t rows = plan.num_slots * plan.rows_per_item;
+    partial_out = at::empty({rows * p.head_size}, scratch.options());
+    partial_lse = at::empty({rows}, scratch.options());
+    partials.out = partial_out.data_ptr<float>();
+    partials.lse = partial_lse.data_ptr<float>();
+  }
+  float* scratch_base = scratch.data_ptr<float>();
+  run_dynamic(workers, n, [&](int64_t worker, int64_t i) {
+    k.attend(p, plan.items[i], scratch_base + worker * per_worker, partials);
+  });
+  const int64_t splits = static_cast<int64_t>(plan.splits.size());
+  if (splits == 0) return;
+  run_dynamic(std::min<int64_t>(threads, splits), splits, [&](int64_t, int64_t i) {
+    k.merge_partials(p, plan.items.data(), plan.splits[i], partials);
+  });
+}
+
+void merge_attn_states(at::Tensor& out, const c10::optional<at::Tensor>& out_lse,
+                       const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
+                       const at::Tensor& suffix_out, const at::Tensor& suffix_lse) {
+  const MergeAttnParams p =
+      merge_attn_states_params(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse);
+  const AttentionKernels& k = select_kernels(p.head_size);
+  const int64_t rows = p.num_tokens * p.num_heads;
+  const int64_t grain = std::max<int64_t>(1, 16384 / p.head_size);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    k.merge_attn_states(p, begin, end);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("merge_attn_states", &merge_attn_states);
+}
+
+}  // namespace pagedkv::cpu

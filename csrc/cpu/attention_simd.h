@@ -1,0 +1,212 @@
+// W-wide float vectors for the CPU attention kernels, written with GCC/clang vector extensions;
+// the few operations that need an instruction set's intrinsics (FMA, half conversion, an 8-way
+// horizontal sum) take them from PKV_ISA: 0 portable, 1 AVX2 + FMA + F16C, 2 AVX-512F.
+//
+// No include guard: included once per instruction set, by cpu/attention_kernel.h, inside
+// namespace pagedkv::cpu::<isa> and under that set's target pragma (see attention_avx2.cpp).
+
+#if PKV_ISA == 2
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef uint8_t vb __attribute__((vector_size(W)));
+
+// Cache and query element types other than float, as raw bits.
+struct bf16_t { uint16_t bits; };
+struct f16_t { uint16_t bits; };
+struct e4m3_t { uint8_t bits; };
+struct e5m2_t { uint8_t bits; };
+
+template <typename V, typename T>
+inline V load_raw(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf load(const float* p) { return load_raw<vf>(p); }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) {
+#if PKV_ISA == 2
+  return _mm512_set1_ps(x);
+#elif PKV_ISA == 1
+  return _mm256_set1_ps(x);
+#else
+  vf v;
+  for (int i = 0; i < W; ++i) v[i] = x;
+  return v;
+#endif
+}
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// Asks for the cache lines of [p, p + bytes) ahead of their use.
+inline void prefetch(const void* p, int bytes) {
+  for (int i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 3);
+}
+
+inline vi iota() {
+  vi v;
+  for (int i = 0; i < W; ++i) v[i] = i;
+  return v;
+}
+
+inline vf fmadd(vf a, vf b, vf c) {
+#if PKV_ISA == 2
+  return _mm512_fmadd_ps(a, b, c);
+#elif PKV_ISA == 1
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// out[i] = hsum(a[i]) for eight vectors.
+inline void hsum8(const vf* a, float* out) {
+#if PKV_ISA >= 1
+  __m256 x[8];
+  for (int i = 0; i < 8; ++i) {
+#if PKV_ISA == 2
+    x[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+#else
+    x[i] = a[i];
+#endif
+  }
+  // After two rounds of hadd, lane j of h0 (h1) holds half of the sum of x[j] (x[4 + j]).
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                                      _mm256_permute2f128_ps(h0, h1, 0x31)));
+#else
+  for (int i = 0; i < 8; ++i) out[i] = hsum(a[i]);
+#endif
+}
+
+// IEEE half bits to float, exact (subnormals, inf and NaN included).
+inline vf half_to_float(vh h) {
+#if PKV_ISA == 2
+  return _mm512_cvtph_ps((__m256i)h);
+#elif PKV_ISA == 1
+  return _mm256_cvtph_ps((__m128i)h);
+#else
+  // Maratyszcza's branch-free conversion (FP16 library, fp16_ieee_to_fp32_value).
+  const vu w = __builtin_convertvector(h, vu) << 16;
+  const vu sign = w & 0x80000000u;
+  const vu two_w = w + w;
+  const vf normalized = (vf)((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const vf denormalized = (vf)((two_w >> 17) | (126u << 23)) - 0.5f;
+  const vu bits = two_w < (1u << 27) ? (vu)denormalized : (vu)normalized;
+  return (vf)(sign | bits);
+#endif
+}
+
+// W elements of a cache or query row as floats. float8_e4m3fn comes out divided by 256 (the
+// callers fold the 256 into their scales, see cache_factor): its bits moved into a half.
+inline vf load_float(const float* p) { return load(p); }
+inline vf load_float(const bf16_t* p) {
+#if PKV_ISA == 2
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_raw<__m256i>(p)), 16);
+#elif PKV_ISA == 1
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_raw<__m128i>(p)), 16);
+#else
+  return (vf)(__builtin_convertvector(load_raw<vh>(p), vu) << 16);
+#endif
+}
+inline vf load_float(const f16_t* p) { return half_to_float(load_raw<vh>(p)); }
+inline vf load_float(const e5m2_t* p) {
+  return half_to_float(__builtin_convertvector(load_raw<vb>(p), vh) << 8);
+}
+inline vf load_float(const e4m3_t* p) {
+  const vh x = __builtin_convertvector(load_raw<vb>(p), vh);
+  const vf f = half_to_float(((x & 0x7F) << 7) | ((x & 0x80) << 8));
+  const vi is_nan = __builtin_convertvector((x & 0x7F) == 0x7F, vi);  // S.1111.111
+  return is_nan ? splat(__builtin_nanf("")) : f;
+}
+
+template <typename T>
+constexpr float cache_factor() {
+  return std::is_same_v<T, e4m3_t> ? 256.f : 1.f;
+}
+
+// exp(x), relative error ~2 ulp; 0 below -87 (and for -inf), +inf above 88.7.
+inline vf vexp(vf x) {
+  const vf xc = x > 88.7f ? splat(88.7f) : (x < -87.f ? splat(-87.f) : x);
+  const vf shift = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = fmadd(xc, splat(1.44269504088896341f), shift) - shift;
+  vf r = fmadd(n, splat(-0.693359375f), xc);  // r = x - n ln2, in two parts (Cephes)
+  r = fmadd(n, splat(2.12194440e-4f), r);
+  vf poly = splat(1.9875691500e-4f);
+  poly = fmadd(poly, r, splat(1.3981999507e-3f));
+  poly = fmadd(poly, r, splat(8.3334519073e-3f));
+  poly = fmadd(poly, r, splat(4.1665795894e-2f));
+  poly = fmadd(poly, r, splat(1.6666665459e-1f));
+  poly = fmadd(poly, r, splat(5.0000001201e-1f));
+  poly = fmadd(poly, r * r, r) + 1.f;
+  const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
+  const vf y = poly * (vf)two_n;
+  return x < -87.f ? splat(0.f) : (x > 88.7f ? splat(__builtin_inff()) : y);
+}
+
+// tanh(x): an odd polynomial near 0, (1 - e) / (1 + e) with e = exp(-2|x|) elsewhere (Cephes).
+inline vf vtanh(vf x) {
+  const vf ax = x < 0.f ? -x : x;
+  const vf e = vexp(-2.f * ax);
+  const vf large = (1.f - e) / (1.f + e);
+  const vf z = x * x;
+  vf poly = splat(-5.70498872745e-3f);
+  poly = fmadd(poly, z, splat(2.06390887954e-2f));
+  poly = fmadd(poly, z, splat(-5.37397155531e-2f));
+  poly = fmadd(poly, z, splat(1.33314422036e-1f));
+  poly = fmadd(poly, z, splat(-3.33332819422e-1f));
+  const vf small = fmadd(poly * z, x, x);
+  const vf signed_large = x < 0.f ? -large : large;
+  return ax < 0.625f ? small : signed_large;
+}
+
+// Scalar float to bfloat16 / half bits, round to nearest even.
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+inline uint16_t float_to_half_bits(float f) {
+#if PKV_ISA >= 1
+  return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+  // Maratyszcza's fp16_ieee_from_fp32_value.
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  const uint32_t bias_bits = (bias >> 1) + 0x07800000u;
+  float bias_f;
+  std::memcpy(&bias_f, &bias_bits, 4);
+  base = bias_f + base;
+  uint32_t bits;
+  std::memcpy(&bits, &base, 4);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+#endif
+}

@@ -1,0 +1,250 @@
+// Validated kernel parameters of the attention ops, built from tensors. Every backend's glue
+// calls these, so cpu, cuda and simt accept and reject exactly the same inputs, before anything
+// is written.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <limits>
+
+#include "glue/tensor_checks.h"
+#include "kernels/attention_params.h"
+
+namespace pagedkv {
+
+// Query, out, partial outputs: [num_tokens, num_heads, head_size] in float32/16, bfloat16.
+inline DType check_rows(const at::Tensor& t, const char* op, const char* name) {
+  check_dim(t, 3, op, name, "[num_tokens, num_heads, head_size]");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf ||
+                  t.scalar_type() == at::kBFloat16,
+              op, ": ", name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.stride(2) == 1 || t.size(2) <= 1, op, ": ", name,
+              " must have a contiguous last (head_size) dim, got strides ", t.strides());
+  return dtype_of(t, op, name);
+}
+
+inline void check_like(const at::Tensor& t, const at::Tensor& ref, const char* op,
+                       const char* name, const char* ref_name) {
+  TORCH_CHECK(t.sizes() == ref.sizes(), op, ": ", name, " must have ", ref_name, "'s shape ",
+              ref.sizes(), ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have ", ref_name,
+              "'s dtype ", ref.scalar_type(), ", got ", t.scalar_type());
+  check_device(t, ref, op, name, ref_name);
+}
+
+// A log-sum-exp tensor: float32 [num_tokens, num_heads], any strides.
+inline void check_lse(const at::Tensor& t, int64_t num_tokens, int64_t num_heads,
+                      const at::Tensor& ref, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == num_tokens && t.size(1) == num_heads, op, ": ", name,
+              " must be [num_tokens, num_heads] = [", num_tokens, ", ", num_heads, "], got ",
+              t.sizes());
+  check_device(t, ref, op, name, "out");
+}
+
+inline int32_t to_int32(int64_t v, const char* op, const char* name) {
+  TORCH_CHECK(v >= 0 && v <= std::numeric_limits<int32_t>::max(), op, ": ", name,
+              " must be in [0, 2^31), got ", v);
+  return static_cast<int32_t>(v);
+}
+
+// Index contents (lengths, query_start_loc, block ids), checked when readable for free.
+inline void check_attention_indices(const PagedAttentionParams& p, const at::Tensor& block_tables,
+                                    const at::Tensor& seq_lens,
+                                    const c10::optional<at::Tensor>& query_start_loc) {
+  constexpr const char* op = "paged_attention";
+  if (!index_checks_enabled(seq_lens)) return;
+  const at::Tensor lens = seq_lens.cpu();
+  const at::Tensor table = block_tables.cpu();
+  const at::Tensor starts = query_start_loc ? query_start_loc->cpu() : at::Tensor();
+  const int32_t* L = lens.data_ptr<int32_t>();
+  const int32_t* qsl = starts.defined() ? starts.data_ptr<int32_t>() : nullptr;
+  if (qsl) {
+    TORCH_CHECK(qsl[0] == 0, op, ": query_start_loc[0] must be 0, got ", qsl[0]);
+    TORCH_CHECK(qsl[p.num_seqs] == p.num_tokens, op, ": query_start_loc[-1] must be num_tokens = ",
+                p.num_tokens, ", got ", qsl[p.num_seqs]);
+  }
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    TORCH_CHECK(L[s] >= 0 && L[s] <= p.max_seq_len, op, ": seq_lens[", s, "] = ", L[s],
+                " is outside [0, max_seq_len = ", p.max_seq_len, "]");
+    int64_t q_len = 1;
+    if (qsl) {
+      q_len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
+      TORCH_CHECK(q_len >= 0, op, ": query_start_loc must be non-decreasing, got ", qsl[s],
+                  " then ", qsl[s + 1], " at ", s);
+      TORCH_CHECK(q_len <= L[s], op, ": sequence ", s, " has ", q_len,
+                  " query tokens (query_start_loc) but seq_lens[", s, "] = ", L[s]);
+      TORCH_CHECK(q_len <= p.max_query_len, op, ": sequence ", s, " has ", q_len,
+                  " query tokens, more than max_query_len = ", p.max_query_len);
+    }
+    if (L[s] == 0 || q_len == 0) continue;
+    const int64_t num_blocks_needed = (L[s] + p.block_size - 1) / p.block_size;
+    TORCH_CHECK(num_blocks_needed <= p.max_blocks_per_seq, op, ": seq_lens[", s, "] = ", L[s],
+                " needs ", num_blocks_needed, " blocks, block_tables has ", p.max_blocks_per_seq,
+                " per sequence");
+    int64_t first_key = 0;
+    if (p.sliding_window > 0) first_key = std::max<int64_t>(0, L[s] - q_len - p.sliding_window + 1);
+    const int32_t* row = table.data_ptr<int32_t>() + s * p.block_table_stride;
+    for (int64_t b = first_key / p.block_size; b < num_blocks_needed; ++b) {
+      TORCH_CHECK(row[b] >= 0 && row[b] < p.num_blocks, op, ": block_tables[", s, ", ", b,
+                  "] = ", row[b], " is out of range for a cache of ", p.num_blocks, " blocks");
+    }
+  }
+}
+
+inline PagedAttentionParams paged_attention_params(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    const c10::optional<at::Tensor>& query_start_loc, int64_t max_seq_len, int64_t max_query_len,
+    double scale, const c10::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+    double soft_cap, const c10::optional<at::Tensor>& k_scale,
+    const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lse_out) {
+  constexpr const char* op = "paged_attention";
+  const DType dtype = check_rows(query, op, "query");
+  check_like(out, query, op, "out", "query");
+  TORCH_CHECK(out.stride(2) == 1 || out.size(2) <= 1, op,
+              ": out must have a contiguous last (head_size) dim, got strides ", out.strides());
+  check_cache_pair(key_cache, value_cache, op);
+  check_device(key_cache, query, op, "key_cache", "query");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1);
+  const int64_t head_size = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_size, op, ": key_cache head_size ", key_cache.size(3),
+              " must match query's head_size ", head_size);
+  TORCH_CHECK(head_size >= 8 && head_size <= kMaxAttentionHeadSize && head_size % 8 == 0, op,
+              ": head_size must be a multiple of 8 in [8, ", kMaxAttentionHeadSize, "], got ", head_size);
+  TORCH_CHECK(block_size >= 1 && block_size <= kMaxAttentionBlockSize, op,
+              ": block_size (key_cache.size(2)) must be in [1, ", kMaxAttentionBlockSize, "], got ",
+              block_size);
+  TORCH_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, op, ": num_heads ", num_heads,
+              " must be a multiple of num_kv_heads ", num_kv_heads);
+  const DType cache_dtype = dtype_of(key_cache, op, "key_cache");
+  TORCH_CHECK(is_fp8(key_cache.scalar_type()) || key_cache.scalar_type() == query.scalar_type(),
+              op, ": key_cache must have query's dtype ", query.scalar_type(),
+              " or be fp8, got ", key_cache.scalar_type());
+  const float* k_scale_ptr = scale_ptr(k_scale, key_cache, op, "k_scale");
+  const float* v_scale_ptr = scale_ptr(v_scale, key_cache, op, "v_scale");
+
+  check_device(block_tables, query, op, "block_tables", "query");
+  check_index(block_tables, at::kInt, op, "block_tables");
+  check_dim(block_tables, 2, op, "block_tables", "[num_seqs, max_blocks_per_seq]");
+  const int64_t num_seqs = block_tables.size(0);
+  check_device(seq_lens, query, op, "seq_lens", "query");
+  check_index(seq_lens, at::kInt, op, "seq_lens");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs, op,
+              ": seq_lens must be [num_seqs] = [", num_seqs, "] (block_tables rows), got ",
+              seq_lens.sizes());
+  if (query_start_loc) {
+    check_device(*query_start_loc, query, op, "query_start_loc", "query");
+    check_index(*query_start_loc, at::kInt, op, "query_start_loc");
+    TORCH_CHECK(query_start_loc->dim() == 1 && query_start_loc->size(0) == num_seqs + 1, op,
+                ": query_start_loc must be [num_seqs + 1] = [", num_seqs + 1, "], got ",
+                query_start_loc->sizes());
+  } else {
+    TORCH_CHECK(num_tokens == num_seqs, op,
+                ": without query_start_loc (decode) query must have one token per sequence: ",
+                num_seqs, " sequences, got ", num_tokens, " tokens");
+  }
+  TORCH_CHECK(max_query_len >= 1 || num_tokens == 0, op, ": max_query_len must be >= 1, got ",
+              max_query_len);
+  TORCH_CHECK(sliding_window == -1 || sliding_window > 0, op,
+              ": sliding_window must be -1 (off) or > 0, got ", sliding_window);
+  TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  TORCH_CHECK(std::isfinite(soft_cap) && soft_cap >= 0, op,
+              ": soft_cap must be 0 (off) or > 0, got ", soft_cap);
+  if (alibi_slopes) {
+    check_device(*alibi_slopes, query, op, "alibi_slopes", "query");
+    check_index(*alibi_slopes, at::kFloat, op, "alibi_slopes");
+    TORCH_CHECK(alibi_slopes->dim() == 1 && alibi_slopes->size(0) == num_heads, op,
+                ": alibi_slopes must be [num_heads] = [", num_heads, "], got ",
+                alibi_slopes->sizes());
+  }
+  if (lse_out) check_lse(*lse_out, num_tokens, num_heads, out, op, "lse_out");
+
+  PagedAttentionParams p{};
+  p.out = out.data_ptr();
+  p.query = query.data_ptr();
+  p.out_token_stride = out.stride(0);
+  p.out_head_stride = out.stride(1);
+  p.q_token_stride = query.stride(0);
+  p.q_head_stride = query.stride(1);
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.k_strides = strides_of(key_cache);
+  p.v_strides = strides_of(value_cache);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.block_table_stride = block_tables.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc ? query_start_loc->data_ptr<int32_t>() : nullptr;
+  p.alibi_slopes = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+  p.k_scale = k_scale_ptr;
+  p.v_scale = v_scale_ptr;
+  p.lse_out = lse_out ? lse_out->data_ptr<float>() : nullptr;
+  p.lse_token_stride = lse_out ? lse_out->stride(0) : 0;
+  p.lse_head_stride = lse_out ? lse_out->stride(1) : 0;
+  p.num_tokens = num_tokens;
+  p.num_seqs = to_int32(num_seqs, op, "num_seqs");
+  p.num_heads = to_int32(num_heads, op, "num_heads");
+  p.num_kv_heads = to_int32(num_kv_heads, op, "num_kv_heads");
+  p.head_size = static_cast<int32_t>(head_size);
+  p.block_size = static_cast<int32_t>(block_size);
+  p.num_blocks = to_int32(key_cache.size(0), op, "num_blocks");
+  p.max_blocks_per_seq = to_int32(block_tables.size(1), op, "max_blocks_per_seq");
+  p.max_seq_len = to_int32(max_seq_len, op, "max_seq_len");
+  p.max_query_len = to_int32(max_query_len, op, "max_query_len");
+  p.sliding_window = static_cast<int32_t>(std::min<int64_t>(sliding_window, INT32_MAX));
+  p.scale = static_cast<float>(scale);
+  p.soft_cap = static_cast<float>(soft_cap);
+  p.dtype = dtype;
+  p.cache_dtype = cache_dtype;
+  check_attention_indices(p, block_tables, seq_lens, query_start_loc);
+  return p;
+}
+
+inline MergeAttnParams merge_attn_states_params(const at::Tensor& out,
+                                                const c10::optional<at::Tensor>& out_lse,
+                                                const at::Tensor& prefix_out,
+                                                const at::Tensor& prefix_lse,
+                                                const at::Tensor& suffix_out,
+                                                const at::Tensor& suffix_lse) {
+  constexpr const char* op = "merge_attn_states";
+  const DType dtype = check_rows(out, op, "out");
+  check_rows(prefix_out, op, "prefix_out");
+  check_rows(suffix_out, op, "suffix_out");
+  check_like(prefix_out, out, op, "prefix_out", "out");
+  check_like(suffix_out, out, op, "suffix_out", "out");
+  const int64_t num_tokens = out.size(0), num_heads = out.size(1);
+  check_lse(prefix_lse, num_tokens, num_heads, out, op, "prefix_lse");
+  check_lse(suffix_lse, num_tokens, num_heads, out, op, "suffix_lse");
+  if (out_lse) check_lse(*out_lse, num_tokens, num_heads, out, op, "out_lse");
+  const int64_t head_size = out.size(2);
+  TORCH_CHECK(head_size >= 8 && head_size <= kMaxAttentionHeadSize && head_size % 8 == 0, op,
+              ": head_size must be a multiple of 8 in [8, ", kMaxAttentionHeadSize, "], got ",
+              head_size);
+  MergeAttnParams p{};
+  p.out = out.data_ptr();
+  p.out_lse = out_lse ? out_lse->data_ptr<float>() : nullptr;
+  p.prefix_out = prefix_out.data_ptr();
+  p.prefix_lse = prefix_lse.data_ptr<float>();
+  p.suffix_out = suffix_out.data_ptr();
+  p.suffix_lse = suffix_lse.data_ptr<float>();
+  p.out_token_stride = out.stride(0);
+  p.out_head_stride = out.stride(1);
+  p.prefix_token_stride = prefix_out.stride(0);
+  p.prefix_head_stride = prefix_out.stride(1);
+  p.suffix_token_stride = suffix_out.stride(0);
+  p.suffix_head_stride = suffix_out.stride(1);
+  p.out_lse_token_stride = out_lse ? out_lse->stride(0) : 0;
+  p.out_lse_head_stride = out_lse ? out_lse->stride(1) : 0;
+  p.prefix_lse_token_stride = prefix_lse.stride(0);
+  p.prefix_lse_head_stride = prefix_lse.stride(1);
+  p.suffix_lse_token_stride = suffix_lse.stride(0);
+  p.suffix_lse_head_stride = suffix_lse.stride(1);
+  p.num_tokens = num_tokens;
+  p.num_heads = to_int32(num_heads, op, "num_heads");
+  p.head_size = to_int32(out.size(2), op, "head_size");
+  p.dtype = dtype;
+  return p;
+}
+
+}  // namespace pagedkv

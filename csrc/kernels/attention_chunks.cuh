@@ -1,0 +1,114 @@
+// Cache rows as the attention kernel reads them: 8-element chunks loaded as 16-byte (fp8: 8-byte)
+// vectors when the cache is aligned for it, byte by byte otherwise, converted to float; and the
+// block-table division by the block size.
+#pragma once
+#include "kernels/compat.cuh"
+#include "kernels/dtypes.cuh"
+
+namespace pagedkv {
+namespace PAGEDKV_KERNEL_NS {
+namespace attn {
+
+constexpr int kChunkElems = 8;  // head dims per lane and token
+
+// 8 cache elements as raw 32-bit words (2 for fp8, 4 for 16-bit, 8 for fp32).
+template <typename C>
+struct Chunk {
+  static constexpr int kWords = static_cast<int>(sizeof(C)) * kChunkElems / 4;
+  uint32_t w[kWords];
+};
+
+template <typename C>
+__device__ __forceinline__ Chunk<C> load_chunk(const C* ptr, bool vectorized) {
+  Chunk<C> c;
+  if (vectorized) {
+    if constexpr (Chunk<C>::kWords == 2) {
+      const uint2 x = __ldg(reinterpret_cast<const uint2*>(ptr));
+      c.w[0] = x.x, c.w[1] = x.y;
+    } else {
+#pragma unroll
+      for (int i = 0; i < Chunk<C>::kWords; i += 4) {
+        const uint4 x = __ldg(reinterpret_cast<const uint4*>(ptr) + i / 4);
+        c.w[i] = x.x, c.w[i + 1] = x.y, c.w[i + 2] = x.z, c.w[i + 3] = x.w;
+      }
+    }
+  } else {  // caches whose rows are not chunk-aligned: bytes, assembled little-endian
+    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(ptr);
+#pragma unroll
+    for (int i = 0; i < Chunk<C>::kWords; ++i) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(bytes[4 * i + b]) << (8 * b);
+      c.w[i] = word;
+    }
+  }
+  return c;
+}
+
+template <typename C>
+__device__ __forceinline__ Chunk<C> zero_chunk() {
+  Chunk<C> c;
+#pragma unroll
+  for (int i = 0; i < Chunk<C>::kWords; ++i) c.w[i] = 0;
+  return c;
+}
+
+// Chunk -> 8 floats (unscaled).
+__device__ __forceinline__ void to_floats(const Chunk<float>& c, float (&f)[kChunkElems]) {
+#pragma unroll
+  for (int i = 0; i < kChunkElems; ++i) f[i] = __uint_as_float(c.w[i]);
+}
+__device__ __forceinline__ void to_floats(const Chunk<__nv_bfloat16>& c, float (&f)[kChunkElems]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(c.w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(c.w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void to_floats(const Chunk<__half>& c, float (&f)[kChunkElems]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __half2_raw raw;
+    raw.x = static_cast<unsigned short>(c.w[i] & 0xffffu);
+    raw.y = static_cast<unsigned short>(c.w[i] >> 16);
+    const float2 x = __half22float2(__half2(raw));
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+template <typename Fp8>
+__device__ __forceinline__ void fp8_to_floats(const Chunk<Fp8>& c, float (&f)[kChunkElems]) {
+#pragma unroll
+  for (int i = 0; i < kChunkElems; ++i) {
+    Fp8 x;
+    x.bits = static_cast<__nv_fp8_storage_t>((c.w[i / 4] >> (8 * (i % 4))) & 0xffu);
+    f[i] = to_float(x);
+  }
+}
+__device__ __forceinline__ void to_floats(const Chunk<fp8_e4m3>& c, float (&f)[kChunkElems]) {
+  fp8_to_floats(c, f);
+}
+__device__ __forceinline__ void to_floats(const Chunk<fp8_e5m2>& c, float (&f)[kChunkElems]) {
+  fp8_to_floats(c, f);
+}
+
+// x / d and x % d for a runtime divisor, by shifts when it is a power of two.
+struct FastDiv {
+  int d, shift;  // shift < 0: not a power of two
+  __device__ __forceinline__ explicit FastDiv(int divisor) : d(divisor), shift(-1) {
+    if ((divisor & (divisor - 1)) == 0) shift = __ffs(divisor) - 1;
+  }
+  __device__ __forceinline__ void divmod(int x, int& q, int& r) const {
+    if (shift >= 0) {
+      q = x >> shift;
+      r = x & (d - 1);
+    } else {
+      q = x / d;
+      r = x - q * d;
+    }
+  }
+};
+
+}  // namespace attn
+}  // namespace PAGEDKV_KERNEL_NS
+}  // namespace pagedkv

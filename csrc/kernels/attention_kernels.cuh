@@ -1,0 +1,396 @@
+// Paged attention: the GQA-aware decode / varlen kernel with split-K and its launchers (the
+// split-K reduce and merge_attn_states are in attention_merge.cuh, cache chunk loads in
+// attention_chunks.cuh).
+//
+// One thread block per (row tile, context partition, sequence, kv head). A row is one (query token,
+// query head) pair of the kv head's group; a tile holds up to kRows rows, so in decode one block
+// computes every query head of the group and each K/V element is read from memory once. The block
+// streams its partition's tokens: each token row is split into 8-element chunks, one per lane of a
+// lane group; K and V chunks arrive as 16-byte loads (8 bytes for fp8), S = QK^T is reduced across
+// the group with shuffles, and every lane group keeps its own online softmax state (m, l, acc) in
+// fp32, merged across groups and warps at the end (the math of merge_attn_states).
+//
+// With several partitions each block writes a normalized partial output and its log-sum-exp to a
+// workspace and the reduce kernel merges them.
+//
+// Templates only: csrc/cuda/attention_*.cu (nvcc) and csrc/simt/attention_*.cpp (emulator)
+// instantiate them with PAGEDKV_INSTANTIATE_ATTENTION, one query dtype per translation unit so that
+// the instantiations compile in parallel; attention_dispatch.cuh picks among them at run time.
+#pragma once
+#include "kernels/compat.cuh"
+#include "kernels/attention_chunks.cuh"
+#include "kernels/attention_launch.h"
+#include "kernels/attention_merge.cuh"
+#include "kernels/dtypes.cuh"
+
+namespace pagedkv {
+namespace PAGEDKV_KERNEL_NS {
+namespace attn {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = kAttnRowsPerBlock;  // (query token, query head) rows per block
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// How a warp covers token rows of up to HEAD dims (HEAD = 64, 128 or 256: every head size is
+// run by the smallest of these that holds it): kLanes lanes per token, one 8-element chunk each
+// (lanes past head_size / 8 idle), kGroups tokens side by side per load.
+template <int HEAD>
+struct Layout {
+  static constexpr int kLanes = HEAD / kChunkElems <= 8 ? 8 : HEAD / kChunkElems;
+  static constexpr int kGroups = 32 / kLanes;
+  static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "padded head size");
+};
+
+// Tokens each lane group loads per iteration: 8 loads of K+V in flight per lane (4 for fp32),
+// and the resident blocks per SM the register budget is cut for: 4 (128 registers) for 16-bit
+// caches, 3 (168) for fp32 and fp8, whose conversions need more registers per byte.
+template <typename C>
+struct TokensPerGroup {
+  static constexpr int value = sizeof(C) == 4 ? 2 : 4;
+  static constexpr int kMinBlocksPerSm = sizeof(C) == 2 ? 4 : 3;
+};
+
+
+// Online softmax state of one row, log2 domain: m = running max, l = running sum.
+__device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f : m; }
+
+// Merges (m_o, l_o, acc_o) into (m, l, acc); returns the two rescale factors.
+__device__ __forceinline__ void merge_scales(float& m, float& l, float m_o, float l_o, float& a,
+                                             float& b) {
+  const float m_new = fmaxf(m, m_o);
+  const float base = safe_max(m_new);
+  a = exp2f(m - base);
+  b = exp2f(m_o - base);
+  l = l * a + l_o * b;
+  m = m_new;
+}
+
+// Shared memory of the decode kernel: scaled queries, then (reused) the per-warp partial outputs.
+template <int HEAD>
+struct DecodeSmem {
+  static constexpr int kQueryFloats = kRows * HEAD;
+  static constexpr int kWarpFloats = kWarps * kRows * HEAD;
+  static constexpr int kFloats = kWarpFloats + 2 * kWarps * kRows;
+  static constexpr size_t kBytes = kFloats * sizeof(float);
+  static_assert(kQueryFloats <= kWarpFloats, "query tile must fit the reduction buffer");
+};
+
+// grid: (row_tiles * num_parts, num_seqs, num_kv_heads), block: kThreads,
+// dynamic smem: DecodeSmem<HEAD>::kBytes. p.head_size <= HEAD.
+template <typename T, typename C, int HEAD>
+__global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
+    paged_attention_kernel(const PagedAttentionParams p, const AttentionPlan plan) {
+  using L = Layout<HEAD>;
+  constexpr int U = TokensPerGroup<C>::value;
+  PAGEDKV_DYNAMIC_SMEM(float, smem);
+  float* q_smem = smem;                               // [kRows][HEAD], reused below
+  float* acc_smem = smem;                             // [kWarps][kRows][HEAD]
+  float* m_smem = smem + DecodeSmem<HEAD>::kWarpFloats;  // [kWarps][kRows]
+  float* l_smem = m_smem + kWarps * kRows;               // [kWarps][kRows]
+  // Per row: query token and head, exclusive causal key bound (query position + 1), ALiBi slope.
+  __shared__ int row_token[kRows], row_head[kRows], row_end[kRows];
+  __shared__ float row_slope[kRows];
+
+  const int tile = blockIdx.x % plan.row_tiles;  // tiles of one partition run side by side
+  const int part = blockIdx.x / plan.row_tiles;
+  const int seq = blockIdx.y;
+  const int kv_head = blockIdx.z;
+  const int group_size = p.num_heads / p.num_kv_heads;
+  int q_begin = seq, q_len = 1;
+  if (p.query_start_loc != nullptr) {
+    q_begin = p.query_start_loc[seq];
+    q_len = p.query_start_loc[seq + 1] - q_begin;
+  }
+  const int seq_len = p.seq_lens[seq];
+  const int row0 = tile * kRows;
+  const int rows = min(kRows, q_len * group_size - row0);
+  if (rows <= 0) return;  // the whole block: no barrier skipped
+
+  const int first_pos = seq_len - q_len + row0 / group_size;
+  const int last_pos = seq_len - q_len + (row0 + rows - 1) / group_size;
+  const int kv_end = min(last_pos + 1, seq_len);
+  const int window_begin = p.sliding_window > 0 ? max(0, first_pos - p.sliding_window + 1) : 0;
+  const int part_begin = window_begin + part * plan.part_tokens;
+  const int part_end = min(part_begin + plan.part_tokens, kv_end);
+
+  const int tid = threadIdx.x;
+  const int head_size = p.head_size;
+  float qk_scale = p.scale;
+  float v_scale = 1.f;
+  if constexpr (is_fp8<C>::value) {
+    qk_scale *= *p.k_scale;
+    v_scale = *p.v_scale;
+  }
+  if (tid < kRows) {
+    const int r = row0 + tid;
+    row_token[tid] = q_begin + r / group_size;
+    row_head[tid] = kv_head * group_size + r % group_size;
+    row_end[tid] = tid < rows ? seq_len - q_len + r / group_size + 1 : 0;
+    row_slope[tid] = p.alibi_slopes != nullptr && tid < rows ? p.alibi_slopes[row_head[tid]] : 0.f;
+  }
+  for (int i = tid; i < kRows * HEAD; i += kThreads) {
+    const int r = i / HEAD, d = i % HEAD;
+    float x = 0.f;
+    if (r < rows && d < head_size) {
+      const int rr = row0 + r;
+      const T* q = static_cast<const T*>(p.query) + (q_begin + rr / group_size) * p.q_token_stride +
+                   (kv_head * group_size + rr % group_size) * p.q_head_stride;
+      x = to_float(q[d]) * qk_scale;
+    }
+    q_smem[i] = x;
+  }
+  __syncthreads();
+
+  const int warp = tid / 32, lane = tid % 32;
+  const int group = lane / L::kLanes;
+  const int chunk = lane % L::kLanes;
+  const bool lane_active = chunk < head_size / kChunkElems;
+  const int dim0 = lane_active ? chunk * kChunkElems : 0;
+
+  const bool alibi = p.alibi_slopes != nullptr;
+  const int window = p.sliding_window;
+
+  float m[kRows], l[kRows], acc[kRows][kChunkElems];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+#pragma unroll
+    for (int d = 0; d < kChunkElems; ++d) acc[r][d] = 0.f;
+  }
+
+  const C* k_base = static_cast<const C*>(p.key_cache) + kv_head * p.k_strides.head + dim0;
+  const C* v_base = static_cast<const C*>(p.value_cache) + kv_head * p.v_strides.head + dim0;
+  const int* table = p.block_tables + seq * p.block_table_stride;
+  const FastDiv block_div(p.block_size);
+  const bool vec = plan.vectorized;
+  constexpr int kStep = kWarps * L::kGroups * U;  // tokens per block iteration
+
+  // Token of load u of this lane group in the iteration starting at `base`.
+  auto token_of = [&](int base, int u) { return base + (warp * U + u) * L::kGroups + group; };
+  int phys[U], slot[U];  // physical block (-1: nothing to load) and offset in it of each token
+  auto locate = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = token_of(base, u);
+      int blk = -1, off = 0;
+      if (t < part_end && lane_active) {
+        block_div.divmod(t, blk, off);
+        blk = __ldg(table + blk);
+      }
+      phys[u] = blk, slot[u] = off;
+    }
+  };
+  locate(part_begin);
+
+  for (int base = part_begin; base < part_end; base += kStep) {
+    Chunk<C> kc[U], vc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (phys[u] >= 0) {
+        const int64_t b = phys[u];
+        kc[u] = load_chunk(k_base + b * p.k_strides.block + slot[u] * p.k_strides.token, vec);
+        vc[u] = load_chunk(v_base + b * p.v_strides.block + slot[u] * p.v_strides.token, vec);
+      } else {
+        kc[u] = zero_chunk<C>();
+        vc[u] = zero_chunk<C>();
+      }
+    }
+    locate(base + kStep);  // next iteration's block table entries, while K/V are in flight
+
+    // S = Q K^T for this group's U tokens, reduced across the group's lanes. K is converted
+    // per row, from the raw chunks: cheaper in registers than holding U converted chunks.
+    float s[U][kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r < rows) {
+        float q[kChunkElems];
+#pragma unroll
+        for (int d = 0; d < kChunkElems; ++d) q[d] = q_smem[r * HEAD + dim0 + d];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float kf[kChunkElems];
+          to_floats(kc[u], kf);
+          float dot = 0.f;
+#pragma unroll
+          for (int d = 0; d < kChunkElems; ++d) dot += q[d] * kf[d];
+          s[u][r] = lane_active ? dot : 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r < rows) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+          for (int o = L::kLanes / 2; o > 0; o /= 2) s[u][r] += __shfl_xor_sync(kFullMask, s[u][r], o);
+        }
+      }
+    }
+
+    // Soft cap, ALiBi, masks; online softmax; O += P V.
+    float vf[U][kChunkElems];
+#pragma unroll
+    for (int u = 0; u < U; ++u) to_floats(vc[u], vf[u]);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r < rows) {
+        const int hi = row_end[r];
+        const float slope = row_slope[r];
+        float m_new = m[r];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int t = token_of(base, u);
+          float x = s[u][r];
+          if (p.soft_cap > 0.f) x = p.soft_cap * tanhf(x / p.soft_cap);
+          if (alibi) x += slope * static_cast<float>(t - (hi - 1));
+          const bool valid = t < part_end && t < hi && (window <= 0 || t >= hi - window);
+          s[u][r] = valid ? x * kLog2e : -INFINITY;
+          m_new = fmaxf(m_new, s[u][r]);
+        }
+        const float base_m = safe_max(m_new);
+        const float alpha = exp2f(m[r] - base_m);
+        m[r] = m_new;
+        l[r] *= alpha;
+#pragma unroll
+        for (int d = 0; d < kChunkElems; ++d) acc[r][d] *= alpha;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const float pr = exp2f(s[u][r] - base_m);
+          l[r] += pr;
+#pragma unroll
+          for (int d = 0; d < kChunkElems; ++d) acc[r][d] += pr * vf[u][d];
+        }
+      }
+    }
+  }
+
+  // Merge the lane groups of each warp (lanes chunk, chunk + kLanes, ...).
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (r < rows) {
+#pragma unroll
+      for (int o = L::kLanes; o < 32; o *= 2) {
+        const float m_o = __shfl_xor_sync(kFullMask, m[r], o);
+        const float l_o = __shfl_xor_sync(kFullMask, l[r], o);
+        float a, b;
+        merge_scales(m[r], l[r], m_o, l_o, a, b);
+#pragma unroll
+        for (int d = 0; d < kChunkElems; ++d) {
+          const float acc_o = __shfl_xor_sync(kFullMask, acc[r][d], o);
+          acc[r][d] = acc[r][d] * a + acc_o * b;
+        }
+      }
+    }
+  }
+  __syncthreads();  // q_smem is dead: reuse it for the per-warp partials
+  if (group == 0 && lane_active) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int d = 0; d < kChunkElems; ++d)
+        acc_smem[(warp * kRows + r) * HEAD + dim0 + d] = r < rows ? acc[r][d] : 0.f;
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      m_smem[warp * kRows + r] = r < rows ? m[r] : -INFINITY;
+      l_smem[warp * kRows + r] = r < rows ? l[r] : 0.f;
+    }
+  }
+  __syncthreads();
+
+  // Merge the warps; write the output (one partition) or the partial (several).
+  for (int i = tid; i < rows * head_size; i += kThreads) {
+    const int r = i / head_size, d = i % head_size;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, m_smem[w * kRows + r]);
+    const float base_m = safe_max(m_all);
+    float o = 0.f, sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float wt = exp2f(m_smem[w * kRows + r] - base_m);
+      o += wt * acc_smem[(w * kRows + r) * HEAD + d];
+      sum += wt * l_smem[w * kRows + r];
+    }
+    o = sum > 0.f ? o / sum * v_scale : 0.f;
+    const float lse = sum > 0.f ? (m_all + log2f(sum)) * kLn2 : -INFINITY;
+    const int64_t token = row_token[r];
+    const int head = row_head[r];
+    if (plan.num_parts == 1) {
+      T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
+      out[d] = from_float<T>(o);
+      if (d == 0 && p.lse_out != nullptr) {
+        p.lse_out[token * p.lse_token_stride + head * p.lse_head_stride] = lse;
+      }
+    } else {
+      const int64_t slot = (token * p.num_heads + head) * plan.num_parts + part;
+      plan.tmp_out[slot * head_size + d] = o;
+      if (d == 0) plan.tmp_lse[slot] = lse;
+    }
+  }
+}
+
+template <typename T, typename C, int HEAD>
+cudaError_t launch_paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan,
+                                   cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(plan.row_tiles * plan.num_parts),
+                  static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_kv_heads));
+  auto kernel = paged_attention_kernel<T, C, HEAD>;
+  PAGEDKV_LAUNCH(kernel, grid, kThreads, DecodeSmem<HEAD>::kBytes, stream)(p, plan);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || plan.num_parts == 1) return err;
+  const dim3 reduce_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
+  auto reduce = paged_attention_reduce_kernel<T>;
+  PAGEDKV_LAUNCH(reduce, reduce_grid, kMergeThreads, 0, stream)(p, plan);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_merge_attn_states(const MergeAttnParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
+  auto kernel = merge_attn_states_kernel<T>;
+  PAGEDKV_LAUNCH(kernel, grid, kMergeThreads, 0, stream)(p);
+  return cudaGetLastError();
+}
+
+// Head size and cache dtype to template arguments; the query dtype T is fixed per translation unit
+// (see PAGEDKV_INSTANTIATE_ATTENTION). attention_padded_head() names the supported head sizes.
+template <typename T, typename C>
+cudaError_t paged_attention_cached(const PagedAttentionParams& p, const AttentionPlan& plan,
+                                   cudaStream_t stream) {
+  switch (attention_padded_head(p.head_size)) {
+    case 64: return launch_paged_attention<T, C, 64>(p, plan, stream);
+    case 128: return launch_paged_attention<T, C, 128>(p, plan, stream);
+    case 256: return launch_paged_attention<T, C, 256>(p, plan, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t paged_attention_typed(const PagedAttentionParams& p, const AttentionPlan& plan,
+                                  cudaStream_t stream) {
+  switch (p.cache_dtype) {
+    case DType::kFp8E4M3: return paged_attention_cached<T, fp8_e4m3>(p, plan, stream);
+    case DType::kFp8E5M2: return paged_attention_cached<T, fp8_e5m2>(p, plan, stream);
+    default: return paged_attention_cached<T, T>(p, plan, stream);
+  }
+}
+
+}  // namespace attn
+}  // namespace PAGEDKV_KERNEL_NS
+}  // namespace pagedkv
+
+// Explicit instantiation of every kernel of query dtype T, in namespace pagedkv::<backend>::attn.
+#define PAGEDKV_INSTANTIATE_ATTENTION(T)                                                       \
+  namespace pagedkv::PAGEDKV_KERNEL_NS::attn {                                                 \
+  template cudaError_t paged_attention_typed<T>(const PagedAttentionParams&,                   \
+                                                const AttentionPlan&, cudaStream_t);           \
+  template cudaError_t launch_merge_attn_states<T>(const MergeAttnParams&, cudaStream_t);      \
+  }

@@ -1,0 +1,107 @@
+// Launchers of the attention kernels, as the torch glue sees them, and the host-side plan of a
+// paged_attention launch (partitions, workspace). Torch-free and CUDA-compiler-free: the kernels
+// live in attention_kernels.cuh, compiled by nvcc (namespace cuda) and by g++ against the emulator
+// (namespace simt).
+#pragma once
+#include <driver_types.h>
+#include <stdint.h>
+
+#include <algorithm>
+
+#include "kernels/attention_params.h"
+
+namespace pagedkv {
+
+// How one paged_attention call is cut into thread blocks. Computed on the host from host integers
+// only (sizes, max_seq_len, max_query_len, SM count): nothing on the device is read.
+struct AttentionPlan {
+  int32_t row_tiles;    // tiles of kAttnRowsPerBlock (query token, query head) rows per sequence
+  int32_t num_parts;    // context partitions (split-K); 1 = write the output directly
+  int32_t part_tokens;  // keys per partition
+  bool vectorized;      // caches aligned for 16-byte (fp8: 8-byte) chunk loads
+  float* tmp_out;       // [num_tokens, num_heads, num_parts, head_size] when num_parts > 1
+  float* tmp_lse;       // [num_tokens, num_heads, num_parts] when num_parts > 1
+};
+
+constexpr int kAttnRowsPerBlock = 4;    // attn::kRows
+constexpr int kAttnMinPartTokens = 256;  // smallest partition worth a block of its own
+constexpr int kAttnMaxParts = 64;
+// Split-K aims at this many blocks per SM: 4 resident (the decode kernel's register budget) times
+// 4 waves, so that the last, partly filled wave is a small part of the run.
+constexpr int kAttnTargetBlocksPerSm = 16;
+
+// The kernel instantiation that runs a head size: 64, 128 or 256 dims (a multiple of 8 up to
+// that; the lanes of the missing dims idle), or 0 when none does.
+inline int attention_padded_head(int head_size) {
+  if (head_size <= 0 || head_size % 8 != 0 || head_size > 256) return 0;
+  return head_size <= 64 ? 64 : (head_size <= 128 ? 128 : 256);
+}
+
+inline int64_t attention_element_size(DType t) {
+  switch (t) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat16: case DType::kBFloat16: return 2;
+    default: return 1;
+  }
+}
+
+// sm_count: multiprocessors of the device; min_part_tokens: the smallest partition (tests force
+// small ones to cover split-K). Workspace pointers are left null for the caller to fill.
+inline AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int sm_count,
+                                          int min_part_tokens = kAttnMinPartTokens) {
+  AttentionPlan plan{};
+  const int64_t group = p.num_heads / std::max(p.num_kv_heads, 1);
+  const int64_t rows = static_cast<int64_t>(std::max(p.max_query_len, 1)) * group;
+  plan.row_tiles = static_cast<int32_t>((rows + kAttnRowsPerBlock - 1) / kAttnRowsPerBlock);
+  // Keys one tile can see: the whole context, or the window plus the tile's own query positions.
+  int64_t span = std::max(p.max_seq_len, 1);
+  if (p.sliding_window > 0) span = std::min<int64_t>(span, p.sliding_window + kAttnRowsPerBlock);
+  const int64_t blocks = static_cast<int64_t>(plan.row_tiles) * p.num_seqs * p.num_kv_heads;
+  const int64_t wanted = (static_cast<int64_t>(sm_count) * kAttnTargetBlocksPerSm + blocks - 1) /
+                         std::max<int64_t>(blocks, 1);
+  const int64_t by_len = (span + min_part_tokens - 1) / min_part_tokens;
+  int64_t parts = std::clamp<int64_t>(std::min(wanted, by_len), 1, kAttnMaxParts);
+  int64_t part_tokens = (span + parts - 1) / parts;
+  part_tokens = (part_tokens + 15) / 16 * 16;
+  parts = (span + part_tokens - 1) / part_tokens;
+  plan.num_parts = static_cast<int32_t>(parts);
+  // One partition covers everything, even past a too-small max_seq_len.
+  plan.part_tokens = parts == 1 ? (1 << 30) : static_cast<int32_t>(part_tokens);
+  const int64_t elem = attention_element_size(p.cache_dtype);
+  const int64_t align = std::min<int64_t>(16, 8 * elem);
+  auto ok = [&](int64_t stride) { return stride * elem % align == 0; };
+  plan.vectorized = ok(p.k_strides.block) && ok(p.k_strides.head) && ok(p.k_strides.token) &&
+                    ok(p.v_strides.block) && ok(p.v_strides.head) && ok(p.v_strides.token) &&
+                    reinterpret_cast<uintptr_t>(p.key_cache) % align == 0 &&
+                    reinterpret_cast<uintptr_t>(p.value_cache) % align == 0;
+  return plan;
+}
+
+// Floats of split-K workspace the plan needs (0 when it does not split).
+inline int64_t attention_workspace_floats(const PagedAttentionParams& p, const AttentionPlan& plan) {
+  if (plan.num_parts == 1) return 0;
+  return p.num_tokens * p.num_heads * plan.num_parts * (p.head_size + 1);
+}
+
+// Points the plan at a workspace of attention_workspace_floats() floats.
+inline void attach_workspace(const PagedAttentionParams& p, AttentionPlan& plan, float* ws) {
+  if (plan.num_parts == 1) return;
+  plan.tmp_out = ws;
+  plan.tmp_lse = ws + p.num_tokens * p.num_heads * plan.num_parts * p.head_size;
+}
+
+#define PAGEDKV_ATTENTION_LAUNCHERS                                                          \
+  cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan,     \
+                              cudaStream_t stream);                                          \
+  cudaError_t merge_attn_states(const MergeAttnParams& p, cudaStream_t stream);
+
+namespace cuda {
+PAGEDKV_ATTENTION_LAUNCHERS
+}
+namespace simt {
+PAGEDKV_ATTENTION_LAUNCHERS
+}
+
+#undef PAGEDKV_ATTENTION_LAUNCHERS
+
+}  // namespace pagedkv

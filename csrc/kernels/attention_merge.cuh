@@ -1,0 +1,82 @@
+// The merge of partial attention states by their log-sum-exps: the split-K reduce of
+// paged_attention and the merge_attn_states op.
+#pragma once
+#include "kernels/compat.cuh"
+#include "kernels/attention_launch.h"
+#include "kernels/dtypes.cuh"
+
+namespace pagedkv {
+namespace PAGEDKV_KERNEL_NS {
+namespace attn {
+
+constexpr int kMergeThreads = 128;
+
+// Weights of n partial states with log-sum-exps lse[0..n): w_i = exp(lse_i - lse), where
+// lse = log(sum_i exp(lse_i)); states with lse = -inf (no keys) get weight 0.
+__device__ __forceinline__ float merged_lse(const float* lse, int n, int stride) {
+  float m = -INFINITY;
+  for (int i = 0; i < n; ++i) m = fmaxf(m, lse[i * stride]);
+  if (m == -INFINITY) return -INFINITY;
+  float sum = 0.f;
+  for (int i = 0; i < n; ++i) sum += expf(lse[i * stride] - m);
+  return m + logf(sum);
+}
+
+// Split-K reduce: out = sum_p exp(lse_p - lse) * partial_p.
+// grid: (num_tokens, num_heads), block: kMergeThreads.
+template <typename T>
+__global__ void __launch_bounds__(kMergeThreads)
+    paged_attention_reduce_kernel(const PagedAttentionParams p, const AttentionPlan plan) {
+  const int64_t token = blockIdx.x;
+  const int head = blockIdx.y;
+  if (p.query_start_loc != nullptr && token >= p.query_start_loc[p.num_seqs]) return;
+  const int64_t row = token * p.num_heads + head;
+  const float* lse = plan.tmp_lse + row * plan.num_parts;
+  const float total = merged_lse(lse, plan.num_parts, 1);
+  T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
+  const float* partial = plan.tmp_out + row * plan.num_parts * p.head_size;
+  for (int d = threadIdx.x; d < p.head_size; d += kMergeThreads) {
+    float o = 0.f;
+    if (total != -INFINITY) {
+      for (int i = 0; i < plan.num_parts; ++i) {
+        const float w = expf(lse[i] - total);
+        if (w > 0.f) o += w * partial[i * p.head_size + d];
+      }
+    }
+    out[d] = from_float<T>(o);
+  }
+  if (threadIdx.x == 0 && p.lse_out != nullptr) {
+    p.lse_out[token * p.lse_token_stride + head * p.lse_head_stride] = total;
+  }
+}
+
+// merge_attn_states: the same merge over two states held in separate tensors.
+// grid: (num_tokens, num_heads), block: kMergeThreads.
+template <typename T>
+__global__ void __launch_bounds__(kMergeThreads) merge_attn_states_kernel(const MergeAttnParams p) {
+  const int64_t token = blockIdx.x;
+  const int head = blockIdx.y;
+  float lse[2] = {p.prefix_lse[token * p.prefix_lse_token_stride + head * p.prefix_lse_head_stride],
+                 p.suffix_lse[token * p.suffix_lse_token_stride + head * p.suffix_lse_head_stride]};
+  const float total = merged_lse(lse, 2, 1);
+  const float wp = total == -INFINITY ? 0.f : expf(lse[0] - total);
+  const float ws = total == -INFINITY ? 0.f : expf(lse[1] - total);
+  const T* prefix = static_cast<const T*>(p.prefix_out) + token * p.prefix_token_stride +
+                   head * p.prefix_head_stride;
+  const T* suffix = static_cast<const T*>(p.suffix_out) + token * p.suffix_token_stride +
+                   head * p.suffix_head_stride;
+  T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
+  for (int d = threadIdx.x; d < p.head_size; d += kMergeThreads) {
+    // The rows of an empty part (weight 0) are never read: they may hold anything.
+    const float o = (wp > 0.f ? wp * to_float(prefix[d]) : 0.f) +
+                    (ws > 0.f ? ws * to_float(suffix[d]) : 0.f);
+    out[d] = from_float<T>(o);
+  }
+  if (threadIdx.x == 0 && p.out_lse != nullptr) {
+    p.out_lse[token * p.out_lse_token_stride + head * p.out_lse_head_stride] = total;
+  }
+}
+
+}  // namespace attn
+}  // namespace PAGEDKV_KERNEL_NS
+}  // namespace pagedkv

@@ -1,0 +1,74 @@
+// Plain parameter structs of the attention ops, shared by the CPU kernels, the CUDA kernels and
+// the torch glue (glue/attention_args.h builds and validates them). No torch, no CUDA.
+//
+// Semantics every backend implements (ARCHITECTURE.md has the op contract):
+// - Sequence i has seq_len L_i keys at positions 0..L_i-1 and q_len Q_i queries at positions
+//   L_i-Q_i .. L_i-1 (decode: Q_i = 1, token i; varlen: tokens query_start_loc[i] ..
+//   query_start_loc[i+1]-1). Query at position qp attends keys kp with kp <= qp and, with a
+//   sliding window w > 0, qp - kp < w.
+// - logit = scale * q.k (k dequantized: x * k_scale for fp8); soft cap: cap * tanh(logit / cap);
+//   ALiBi: + slope[head] * (kp - qp); out = softmax(logits) . v; lse = log(sum(exp(logits))).
+// - A decode sequence with L_i = 0 has no keys: its output row is 0 and its lse -inf.
+// - Block table entries are read only for blocks holding a key some query attends:
+//   blocks [first_key / block_size, ceil(L_i / block_size)), where first_key is 0, or with a
+//   window max(0, L_i - Q_i - w + 1). Other entries (padding, freed blocks) may hold anything.
+#pragma once
+#include <stdint.h>
+
+#include "kernels/cache_params.h"
+
+namespace pagedkv {
+
+constexpr int32_t kMaxAttentionHeadSize = 256;   // head sizes: multiples of 8 up to this
+constexpr int32_t kMaxAttentionBlockSize = 256;
+
+struct PagedAttentionParams {
+  void* out;                       // [num_tokens, num_heads, head_size], dtype
+  const void* query;               // [num_tokens, num_heads, head_size], dtype
+  int64_t out_token_stride, out_head_stride;  // elements; head_size dim contiguous
+  int64_t q_token_stride, q_head_stride;
+  const void* key_cache;           // [num_blocks, num_kv_heads, block_size, head_size], k_strides
+  const void* value_cache;         // [num_blocks, num_kv_heads, block_size, head_size], v_strides
+  CacheStrides k_strides, v_strides;  // elements
+  const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq]
+  int64_t block_table_stride;      // elements between rows
+  const int32_t* seq_lens;         // [num_seqs]
+  const int32_t* query_start_loc;  // [num_seqs + 1], or nullptr for decode (token i = seq i)
+  const float* alibi_slopes;       // [num_heads], or nullptr
+  const float* k_scale;            // [1], fp8 caches only, else nullptr
+  const float* v_scale;            // [1], fp8 caches only, else nullptr
+  float* lse_out;                  // [num_tokens, num_heads] float32, or nullptr
+  int64_t lse_token_stride, lse_head_stride;
+  int64_t num_tokens;
+  int32_t num_seqs, num_heads, num_kv_heads, head_size, block_size;
+  int32_t num_blocks, max_blocks_per_seq;
+  int32_t max_seq_len, max_query_len;  // upper bounds of seq_lens and of the q_len_i
+  int32_t sliding_window;          // > 0, or -1 = off
+  float scale;
+  float soft_cap;                  // > 0, or 0 = off
+  DType dtype;                     // of query and out: kFloat32, kFloat16 or kBFloat16
+  DType cache_dtype;               // dtype, or kFp8E4M3 / kFp8E5M2 with k_scale and v_scale
+};
+
+// out = (exp(lse_p) * prefix_out + exp(lse_s) * suffix_out) / (exp(lse_p) + exp(lse_s)),
+// out_lse = log(exp(lse_p) + exp(lse_s)), computed stably. An lse of -inf marks an empty part
+// (its rows are ignored); both empty: out = 0, out_lse = -inf.
+struct MergeAttnParams {
+  void* out;                       // [num_tokens, num_heads, head_size], dtype
+  float* out_lse;                  // [num_tokens, num_heads] float32, or nullptr
+  const void* prefix_out;          // [num_tokens, num_heads, head_size], dtype
+  const float* prefix_lse;         // [num_tokens, num_heads] float32
+  const void* suffix_out;          // [num_tokens, num_heads, head_size], dtype
+  const float* suffix_lse;         // [num_tokens, num_heads] float32
+  int64_t out_token_stride, out_head_stride;  // elements; head_size dim contiguous
+  int64_t prefix_token_stride, prefix_head_stride;
+  int64_t suffix_token_stride, suffix_head_stride;
+  int64_t out_lse_token_stride, out_lse_head_stride;
+  int64_t prefix_lse_token_stride, prefix_lse_head_stride;
+  int64_t suffix_lse_token_stride, suffix_lse_head_stride;
+  int64_t num_tokens;
+  int32_t num_heads, head_size;
+  DType dtype;
+};
+
+}  // namespace pagedkv

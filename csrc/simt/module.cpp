@@ -1,0 +1,16 @@
+// The pagedkv._simt extension module: torch.ops.pagedkv_simt, the op schemas of pagedkv
+// (csrc/schemas.h) implemented by the CUDA kernel source run on the emulator for CPU tensors
+// (cache_ops.cpp), and torch.ops.pagedkv_simt_test, the emulator's controls and self-tests
+// (selftest_ops.cpp). Importing the module loads the library, which registers them.
+#include <Python.h>
+
+#include "schemas.h"
+
+TORCH_LIBRARY(pagedkv_simt, m) { pagedkv::define_schemas(m); }
+
+extern "C" PyMODINIT_FUNC PyInit__simt() {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_simt",
+                               "CUDA kernels of pagedkv run on the CPU by the simt emulator",
+                               -1, nullptr};
+  return PyModule_Create(&module);
+}

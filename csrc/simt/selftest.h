@@ -1,0 +1,65 @@
+// Emulator self-test kernels (torch-free): host entry points taking host pointers.
+// Used by the pagedkv_simt_test torch ops (selftest_ops.cpp) and the ctest executable
+// (tests/simt/selftest_main.cpp). Each runs one launch and throws simt::Error on failure.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace simt_selftest {
+
+// Two-level reduction (warp shuffles, then shared memory): out[b] = sum(x[b, :]).
+// x [blocks, n], out [blocks]; threads in {32, 64, ..., 1024}.
+void block_sum(const float* x, float* out, int blocks, int n, int threads);
+
+// Paged-attention loop: warp w handles cache blocks w, w + 4, ...; 8-lane groups reduce with
+// shuffles. x [nblocks, 32] -> group_sums [nblocks, 4] and max_sum [1] (max of group sums).
+void warp_loop(const float* x, float* group_sums, float* max_sum, int nblocks);
+
+// Tiled transpose through a 32 x 33 static shared tile: in [rows, cols] -> out [cols, rows].
+void transpose(const float* in, float* out, int rows, int cols);
+
+// Per-block reversal through dynamic shared memory: in, out [blocks, n], n threads a block.
+void reverse_blocks(const float* in, float* out, int blocks, int n);
+
+// Reads dynamic shared memory before writing it: out [blocks, n] gets the poison bits.
+void read_poison(uint32_t* out, int blocks, int n);
+
+// 16-byte vector loads of 8 halves (bf16 = false) or bfloat16s (bf16 = true), n = 8 * n_vec
+// 16-bit values: y = x * x + x (__hfma2), sums [n_vec] = sum of each vector's 8 values.
+void vector_fma(const void* x, void* y, float* sums, int n_vec, bool bf16);
+
+// 3D grid and block: out [gz, gy, gx, bz, by, bx, 4] = (blockIdx x/y/z, threadIdx x/y/z,
+// gridDim x/y/z, blockDim x/y/z), each triple packed as x + 16 * y + 256 * z.
+void grid3d(int32_t* out, const int grid[3], const int block[3]);
+
+// Votes in a block of `threads` (multiple of 32): pred [threads] -> out [threads, 6] =
+// (ballot, any, all, __syncthreads_count, _and, _or).
+void votes(const int32_t* pred, uint32_t* out, int threads);
+
+// Atomics from every thread of blocks x threads: counters [4] = (atomicAdd int count,
+// atomicMax of global thread id, atomicAdd float count, atomicCAS-increment count).
+void atomics(int32_t* counters, int blocks, int threads);
+
+// Warp sums in a block of n threads (n need not be a multiple of 32): each warp reduces with
+// __shfl_down_sync over the mask of its existing lanes, discarding reads past its last lane.
+// x [n] -> out [ceil(n / 32)]. Also out_of_mask [16]: lanes 0-15 shuffle down by 1 within mask
+// 0xffff, so lane 15 reads lane 16, outside the mask: undefined, all ones in the emulator.
+void partial_warp_sums(const float* x, float* out, int n);
+void shuffle_outside_mask(const float* x, float* out_of_mask);
+
+// Missing __syncthreads between a dynamic shared memory write and a neighbour's read:
+// out[t] = in[min(t + 1, n - 1)] when the fibers happen to run in a kind order.
+void missing_barrier(const float* in, float* out, int n);
+
+// Memory faults a GPU would hit and only a sanitizer build of the emulator reports:
+// the last thread reads x[n] (one past the end); a uint4 load from a 2-byte aligned address.
+void read_past_end(const float* x, float* out, int n);
+void misaligned_vector_load(const void* x, float* out);
+
+// Launches the faulty kernel `name` (see fault_names()); always throws simt::Error.
+void run_fault(const std::string& name);
+std::vector<std::string> fault_names();
+
+}  // namespace simt_selftest

@@ -1,0 +1,162 @@
+// torch.ops.pagedkv_simt_test: the emulator's controls and its self-test kernels (selftest.h)
+// for CPU tensors. Emulator errors reach Python as RuntimeError with the simt message.
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+
+#include "simt/runtime.h"
+#include "simt/selftest.h"
+
+namespace {
+
+void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void set_order(const std::string& order, int64_t seed) { simt::set_order(order, uint64_t(seed)); }
+void set_workers(int64_t n) { simt::set_workers(int(n)); }
+
+std::tuple<std::string, int64_t, int64_t> config() {
+  static const char* names[] = {"forward", "reverse", "random"};
+  return {names[int(simt::order())], int64_t(simt::seed()), simt::workers()};
+}
+
+// x [blocks, n] float32 -> [blocks]
+at::Tensor block_sum(const at::Tensor& x, int64_t threads) {
+  check_input(x, "x", at::kFloat);
+  TORCH_CHECK(x.dim() == 2, "x must be [blocks, n]");
+  auto out = at::empty({x.size(0)}, x.options());
+  simt_selftest::block_sum(x.data_ptr<float>(), out.data_ptr<float>(), int(x.size(0)),
+                           int(x.size(1)), int(threads));
+  return out;
+}
+
+// x [nblocks, 32] float32 -> group_sums [nblocks, 4], max_sum [1]
+std::tuple<at::Tensor, at::Tensor> warp_loop(const at::Tensor& x) {
+  check_input(x, "x", at::kFloat);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == 32, "x must be [nblocks, 32]");
+  auto group_sums = at::empty({x.size(0), 4}, x.options());
+  auto max_sum = at::empty({1}, x.options());
+  simt_selftest::warp_loop(x.data_ptr<float>(), group_sums.data_ptr<float>(),
+                           max_sum.data_ptr<float>(), int(x.size(0)));
+  return {group_sums, max_sum};
+}
+
+// x [rows, cols] float32 -> [cols, rows]
+at::Tensor transpose(const at::Tensor& x) {
+  check_input(x, "x", at::kFloat);
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, cols]");
+  auto out = at::empty({x.size(1), x.size(0)}, x.options());
+  simt_selftest::transpose(x.data_ptr<float>(), out.data_ptr<float>(), int(x.size(0)),
+                           int(x.size(1)));
+  return out;
+}
+
+// x [blocks, n] float32 -> each row reversed
+at::Tensor reverse_blocks(const at::Tensor& x) {
+  check_input(x, "x", at::kFloat);
+  TORCH_CHECK(x.dim() == 2, "x must be [blocks, n]");
+  auto out = at::empty_like(x);
+  simt_selftest::reverse_blocks(x.data_ptr<float>(), out.data_ptr<float>(), int(x.size(0)),
+                                int(x.size(1)));
+  return out;
+}
+
+// -> [blocks, n] int32: the bits of dynamic shared memory before any write
+at::Tensor read_poison(int64_t blocks, int64_t n) {
+  auto out = at::empty({blocks, n}, at::kInt);
+  simt_selftest::read_poison(reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()), int(blocks),
+                             int(n));
+  return out;
+}
+
+// x [n_vec * 8] float16 or bfloat16 -> y = x * x + x (same dtype), sums [n_vec] float32
+std::tuple<at::Tensor, at::Tensor> vector_fma(const at::Tensor& x) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  check_input(x, "x", bf16 ? at::kBFloat16 : at::kHalf);
+  TORCH_CHECK(x.numel() % 8 == 0, "x must hold a multiple of 8 values");
+  auto y = at::empty_like(x);
+  auto sums = at::empty({x.numel() / 8}, x.options().dtype(at::kFloat));
+  simt_selftest::vector_fma(x.data_ptr(), y.data_ptr(), sums.data_ptr<float>(),
+                            int(x.numel() / 8), bf16);
+  return {y, sums};
+}
+
+// -> [gz, gy, gx, bz, by, bx, 4] int32 (see selftest.h)
+at::Tensor grid3d(at::IntArrayRef grid, at::IntArrayRef block) {
+  TORCH_CHECK(grid.size() == 3 && block.size() == 3, "grid and block must have 3 dims");
+  const int g[3] = {int(grid[0]), int(grid[1]), int(grid[2])};
+  const int b[3] = {int(block[0]), int(block[1]), int(block[2])};
+  auto out = at::empty({g[2], g[1], g[0], b[2], b[1], b[0], 4}, at::kInt);
+  simt_selftest::grid3d(out.data_ptr<int32_t>(), g, b);
+  return out;
+}
+
+// pred [threads] int32 -> [threads, 6] int64 (see selftest.h)
+at::Tensor votes(const at::Tensor& pred) {
+  check_input(pred, "pred", at::kInt);
+  std::vector<uint32_t> out(pred.numel() * 6);
+  simt_selftest::votes(pred.data_ptr<int32_t>(), out.data(), int(pred.numel()));
+  return at::tensor(std::vector<int64_t>(out.begin(), out.end()), at::kLong).view({-1, 6});
+}
+
+// -> [4] int32: count, max id, float count (as int), CAS count
+at::Tensor atomics(int64_t blocks, int64_t threads) {
+  auto counters = at::zeros({4}, at::kInt);
+  simt_selftest::atomics(counters.data_ptr<int32_t>(), int(blocks), int(threads));
+  const float fcount = reinterpret_cast<float*>(counters.data_ptr<int32_t>())[2];
+  counters[2] = int(fcount);
+  return counters;
+}
+
+// x [n] float32 -> [ceil(n / 32)] warp sums
+at::Tensor partial_warp_sums(const at::Tensor& x) {
+  check_input(x, "x", at::kFloat);
+  auto out = at::empty({(x.numel() + 31) / 32}, x.options());
+  simt_selftest::partial_warp_sums(x.data_ptr<float>(), out.data_ptr<float>(), int(x.numel()));
+  return out;
+}
+
+// x [16] float32 -> [16]: lanes 0-14 read their neighbour, lane 15 an undefined value
+at::Tensor shuffle_outside_mask(const at::Tensor& x) {
+  check_input(x, "x", at::kFloat);
+  TORCH_CHECK(x.numel() == 16, "x must hold 16 values");
+  auto out = at::empty_like(x);
+  simt_selftest::shuffle_outside_mask(x.data_ptr<float>(), out.data_ptr<float>());
+  return out;
+}
+
+// x [n] float32 -> [n]: the racy neighbour read of missing_barrier_kernel
+at::Tensor missing_barrier(const at::Tensor& x) {
+  check_input(x, "x", at::kFloat);
+  auto out = at::empty_like(x);
+  simt_selftest::missing_barrier(x.data_ptr<float>(), out.data_ptr<float>(), int(x.numel()));
+  return out;
+}
+
+void run_fault(const std::string& name) { simt_selftest::run_fault(name); }
+std::vector<std::string> fault_names() { return simt_selftest::fault_names(); }
+
+}  // namespace
+
+TORCH_LIBRARY(pagedkv_simt_test, m) {
+  m.def("set_order(str order, int seed) -> ()", &set_order);
+  m.def("set_workers(int n) -> ()", &set_workers);
+  m.def("config() -> (str, int, int)", &config);
+  m.def("block_sum(Tensor x, int threads) -> Tensor", &block_sum);
+  m.def("warp_loop(Tensor x) -> (Tensor, Tensor)", &warp_loop);
+  m.def("transpose(Tensor x) -> Tensor", &transpose);
+  m.def("reverse_blocks(Tensor x) -> Tensor", &reverse_blocks);
+  m.def("read_poison(int blocks, int n) -> Tensor", &read_poison);
+  m.def("vector_fma(Tensor x) -> (Tensor, Tensor)", &vector_fma);
+  m.def("grid3d(int[] grid, int[] block) -> Tensor", &grid3d);
+  m.def("votes(Tensor pred) -> Tensor", &votes);
+  m.def("atomics(int blocks, int threads) -> Tensor", &atomics);
+  m.def("partial_warp_sums(Tensor x) -> Tensor", &partial_warp_sums);
+  m.def("shuffle_outside_mask(Tensor x) -> Tensor", &shuffle_outside_mask);
+  m.def("missing_barrier(Tensor x) -> Tensor", &missing_barrier);
+  m.def("run_fault(str name) -> ()", &run_fault);
+  m.def("fault_names() -> str[]", &fault_names);
+}

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# GPU check for a machine with one NVIDIA GPU (written for an H200, sm_90), a few minutes end to
+# end: build the extension for the local GPU, run the whole test suite on the cuda backend, then
+# the CUDA attention benchmark. Every step is logged under LOGDIR and bounded by a timeout.
+#
+#   scripts/gpu_check.sh LOGDIR
+#
+# Environment: PYTHON (default: python3; a Python with torch), ARCH (default 9.0),
+# MAX_JOBS (default 16), BUILD_TIMEOUT / TEST_TIMEOUT / BENCH_TIMEOUT in seconds (defaults 420,
+# 420, 240). Exit status: the number of failed steps (0: all passed).
+set -euo pipefail
+
+LOGDIR=${1:?usage: scripts/gpu_check.sh LOGDIR}
+mkdir -p "$LOGDIR"
+LOGDIR=$(cd "$LOGDIR" && pwd)
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+export TORCH_CUDA_ARCH_LIST=${ARCH:-9.0}
+export MAX_JOBS=${MAX_JOBS:-16}
+export PAGEDKV_SIMT=${PAGEDKV_SIMT:-0}  # the emulator is not needed where a GPU is
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+
+log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOGDIR/summary.log"; }
+
+# step NAME TIMEOUT_S CMD...: runs CMD with its output in LOGDIR/NAME.log; records the status.
+failed=0
+step() {
+  local name=$1 limit=$2
+  shift 2
+  log "start $name (timeout ${limit}s): $*"
+  local start=$SECONDS rc=0
+  timeout --kill-after=10 "$limit" "$@" >"$LOGDIR/$name.log" 2>&1 || rc=$?
+  log "end   $name: rc=$rc in $((SECONDS - start))s (log: $name.log)"
+  tail -n 5 "$LOGDIR/$name.log" | sed 's/^/    /' | tee -a "$LOGDIR/summary.log"
+  [ "$rc" -eq 0 ] || failed=$((failed + 1))
+  return "$rc"
+}
+
+step env 60 bash -c "nvidia-smi; nvcc --version; $PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'" || true
+step build "${BUILD_TIMEOUT:-420}" "$PYTHON" setup.py build_ext --inplace || {
+  log "build failed: nothing else can run"
+  exit 1
+}
+step tests "${TEST_TIMEOUT:-420}" env PAGEDKV_TEST_BACKENDS=cuda "$PYTHON" -m pytest tests -q \
+  -p no:cacheprovider --junitxml="$LOGDIR/tests.xml" || true
+step bench "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_attention_cuda || true
+cp bench/results/attention_cuda.json "$LOGDIR/" 2>/dev/null || true
+log "done: $failed step(s) failed; logs in $LOGDIR"
+exit "$failed"

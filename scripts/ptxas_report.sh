@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Resource report of the CUDA kernels: registers, shared memory and spills per kernel, from
+# nvcc -Xptxas -v, for sm_80 and sm_90. No GPU needed.
+#
+#   scripts/ptxas_report.sh [file.cu ...]     (default: csrc/cuda/attention_*.cu)
+#
+# Exits non-zero when a paged_attention kernel spills on sm_90.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NVCC=${NVCC:-nvcc}
+ARCHS=${ARCHS:-"80 90"}
+files=("$@")
+[ ${#files[@]} -gt 0 ] || files=(csrc/cuda/attention_*.cu)
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+for arch in $ARCHS; do
+  for f in "${files[@]}"; do
+    log="$out/$(basename "$f" .cu).sm_$arch.log"
+    "$NVCC" -std=c++20 -O3 --expt-relaxed-constexpr -Icsrc -arch="sm_$arch" -c "$f" \
+      -o "$out/obj.o" -Xptxas -v >"$log" 2>&1 || { cat "$log"; exit 1; }
+  done
+done
+python3 - "$out" <<'PY'
+import glob, re, subprocess, sys
+
+rows = []
+for log in sorted(glob.glob(sys.argv[1] + "/*.log")):
+    arch = log.rsplit(".", 2)[-2]
+    name = None
+    spill = (0, 0)
+    for line in open(log):
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            name = m.group(1)
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and name:
+            spill = (int(m.group(1)), int(m.group(2)))
+            continue
+        m = re.search(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?$", line.strip())
+        if m and name:
+            smem = re.search(r"(\d+) bytes smem", line)
+            rows.append([arch, name, int(m.group(1)), int(smem.group(1)) if smem else 0, *spill])
+            name, spill = None, (0, 0)
+names = subprocess.run(["c++filt"], input="\n".join(r[1] for r in rows), text=True,
+                       capture_output=True).stdout.split("\n")
+def short(n):
+    n = re.sub(r"pagedkv::(cuda|simt)::attn::", "", n)
+    n = n.replace("pagedkv::", "").replace("__nv_bfloat16", "bf16").replace("__half", "half")
+    return re.sub(r"\(.*\)$", "", n)
+print(f"{'arch':6} {'regs':>4} {'smem':>5} {'spill st/ld':>11}  kernel (static smem; dynamic smem is"
+      " DecodeSmem<HEAD>::kBytes)")
+bad = 0
+for r, n in zip(rows, names):
+    print(f"{r[0]:6} {r[2]:4d} {r[3]:5d} {r[4]:5d}/{r[5]:<5d}  {short(n)}")
+    if r[0] == "sm_90" and "paged_attention_kernel" in n and (r[4] or r[5]):
+        bad += 1
+print(f"\n{len(rows)} kernels; {bad} paged_attention kernels spill on sm_90")
+sys.exit(1 if bad else 0)
+PY

@@ -1,0 +1,226 @@
+"""Self-tests of the simt emulator: small CUDA kernels (csrc/simt/selftest_*.cpp) run as
+fibers on the CPU, in several fiber orders and worker counts, each checked exactly."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("pagedkv._simt")
+ops = torch.ops.pagedkv_simt_test
+
+ORDERS = [("forward", 0, 1), ("reverse", 0, 1), ("random", 1, 1), ("random", 2, 2)]
+
+
+@pytest.fixture(params=ORDERS, ids=lambda p: f"{p[0]}-seed{p[1]}-workers{p[2]}")
+def order(request):
+    """Runs the test under one fiber order / seed / worker count, then restores the config."""
+    saved = ops.config()
+    name, seed, workers = request.param
+    ops.set_order(name, seed)
+    ops.set_workers(workers)
+    yield name
+    ops.set_order(saved[0], saved[1])
+    ops.set_workers(saved[2])
+
+
+def integers(*shape, high=9):
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(0)).float()
+
+
+@pytest.mark.parametrize("threads", [32, 256, 1024])
+def test_two_level_reduction(order, threads):
+    x = integers(5, 1000)
+    assert torch.equal(ops.block_sum(x, threads), x.sum(1))
+
+
+@pytest.mark.parametrize("nblocks", [1, 4, 7, 13])
+def test_divergent_warp_loop(order, nblocks):
+    x = integers(nblocks, 32)
+    group_sums, max_sum = ops.warp_loop(x)
+    expected = x.view(nblocks, 4, 8).sum(2)
+    assert torch.equal(group_sums, expected)
+    assert max_sum.item() == expected.max().item()
+
+
+def test_launches_that_follow_each_other(order):
+    for nblocks in [7, 13, 2, 5]:  # warps loop 2, 4, 1, 2 times: uneven across launches
+        x = integers(nblocks, 32, high=100 + nblocks)
+        assert torch.equal(ops.warp_loop(x)[0], x.view(nblocks, 4, 8).sum(2))
+        y = integers(3, 333)
+        assert torch.equal(ops.block_sum(y, 128), y.sum(1))
+
+
+@pytest.mark.parametrize("shape", [(59, 97), (32, 32), (1, 5)])
+def test_tiled_shared_memory_transpose(order, shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(ops.transpose(x), x.t())
+
+
+@pytest.mark.parametrize("n", [1, 33, 256])
+def test_dynamic_shared_memory(order, n):
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(ops.reverse_blocks(x), x.flip(1))
+
+
+def test_dynamic_shared_memory_is_poisoned_before_each_block(order):
+    assert torch.equal(ops.read_poison(3, 64), torch.full((3, 64), -1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_vector_loads_16_bytes(order, dtype):
+    x = torch.randn(8 * 100, generator=torch.Generator().manual_seed(3)).to(dtype)
+    y, sums = ops.vector_fma(x)
+    xf = x.float()
+    assert torch.equal(y, (xf * xf + xf).to(dtype))  # a*b is exact in float: one rounding
+    pairs = xf.view(-1, 4, 2)
+    expected = torch.zeros(100)
+    for k in range(4):
+        expected = expected + (pairs[:, k, 0] + pairs[:, k, 1])
+    assert torch.equal(sums, expected)
+
+
+@pytest.mark.parametrize(
+    "grid,block", [((3, 2, 2), (4, 2, 3)), ((1, 1, 1), (1, 1, 1)), ((2, 1, 3), (32, 1, 2))]
+)
+def test_3d_grid_and_block(order, grid, block):
+    out = ops.grid3d(list(grid), list(block))
+
+    def pack(x, y, z):
+        return x + 16 * y + 256 * z
+
+    gz, gy, gx, bz, by, bx = out.shape[:6]
+    for bi in [(0, 0, 0), (gx - 1, gy - 1, gz - 1), (gx // 2, gy - 1, 0)]:
+        for ti in [(0, 0, 0), (bx - 1, by - 1, bz - 1), (bx // 2, 0, bz - 1)]:
+            got = out[bi[2], bi[1], bi[0], ti[2], ti[1], ti[0]].tolist()
+            assert got == [pack(*bi), pack(*ti), pack(*grid), pack(*block)]
+    assert len(set(tuple(v) for v in out[..., :2].reshape(-1, 2).tolist())) == out[..., 0].numel()
+
+
+def test_votes(order):
+    pred = torch.tensor([(i % 3 == 0) or (i >= 32) for i in range(64)], dtype=torch.int32)
+    out = ops.votes(pred)
+    warp0 = sum(1 << i for i in range(32) if i % 3 == 0)
+    count = int(pred.sum())
+    for t in range(64):
+        ballot = warp0 if t < 32 else 0xFFFFFFFF
+        assert out[t].tolist() == [ballot, 1, int(t >= 32), count, 0, 1]
+
+
+def test_atomics_across_blocks_and_workers(order):
+    assert ops.atomics(16, 128).tolist() == [2048, 2047, 2048, 2048]
+
+
+@pytest.mark.parametrize("n", [48, 70, 96])
+def test_partial_warps_shuffle_within_their_lanes(order, n):
+    x = integers(n)
+    expected = torch.stack([chunk.sum() for chunk in x.split(32)])
+    assert torch.equal(ops.partial_warp_sums(x), expected)
+
+
+def test_shuffle_from_outside_the_mask_reads_all_ones(order):
+    x = integers(16)
+    out = ops.shuffle_outside_mask(x)
+    assert torch.equal(out[:15], x[1:])
+    assert out[15:].view(torch.int32).item() == -1
+
+
+def test_missing_barrier_is_caught_by_fiber_order(order):
+    n = 64
+    x = torch.arange(1, n + 1, dtype=torch.float32)
+    out = ops.missing_barrier(x)
+    correct = x[torch.clamp(torch.arange(n) + 1, max=n - 1)]
+    if order == "reverse":  # each neighbour wrote before the read: the race stays hidden
+        assert torch.equal(out, correct)
+    elif order == "forward":  # every read comes first and sees the poison
+        assert out[:-1].isnan().all() and out[-1] == x[-1]
+    else:
+        assert out.isnan().any() and not torch.equal(out, correct)
+
+
+K = "simt: kernel simt_selftest::{}_kernel(float*)"
+FAULTS = {
+    "barrier_after_exit": K + ", block (0,0,0): __syncthreads reached by some threads while"
+    " others exited: t0-63: __syncthreads, t64-127: exited",
+    "shuffle_exited_lane": K + ", block (0,0,0): __shfl_xor_sync(0xffffffff) in warp 0 waits"
+    " for lane 16, which exited: t0-15: __shfl_xor_sync(0xffffffff), t16-31: exited",
+    "absent_lane": K + ", block (0,0,0), thread ({t},0,0): __shfl_sync(0xffffffff) names lanes"
+    " absent from warp 1, which has 16 lanes",
+    "disagree_op": K + ", block (0,0,0): lanes in warp 0 disagree on a warp collective:"
+    " t0-15: __shfl_xor_sync(0xffffffff), t16-31: __shfl_down_sync(0xffffffff)",
+    "disagree_mask": K + ", block (0,0,0): lanes in warp 0 disagree on a warp collective:"
+    " t0-15: __shfl_xor_sync(0xffffffff), t16-31: __shfl_xor_sync(0xffff0001)",
+    "deadlock": K + ", block (0,0,0): deadlock: t0-15: __shfl_sync(0xffffffff),"
+    " t16-31: __syncthreads",
+    "mask_excludes_caller": K + ", block (0,0,0), thread ({t},0,0): __shfl_sync(0x00000001)"
+    " in lane {t}: the mask must include the calling lane",
+    "trap": K + ", block (1,0,0), thread (5,0,0): __trap() called",
+    "assert": K + ", block (0,0,0), thread (7,0,0): assertion failed: threadIdx.x != 7"
+    " (selftest_faults.cpp:{line})",
+    "oversized_block": K + ": block has 2048 threads, more than 1024",
+}
+# The thread that detects a fault depends on the order: the first (or last) to arrive.
+FIRST_THREAD = {
+    "absent_lane": {"forward": 32, "reverse": 47},
+    "mask_excludes_caller": {"forward": 1, "reverse": 31},
+}
+
+
+def expected_fault(name, order):
+    """The exact message as a regex; an order-dependent thread or a line number may vary."""
+    parts = re.split(r"(\{t\}|\{line\})", FAULTS[name].replace("{}", name))
+    thread = FIRST_THREAD.get(name, {}).get(order)
+    fills = {"{t}": str(thread) if thread is not None else r"\d+", "{line}": r"\d+"}
+    return "".join(fills.get(part, re.escape(part)) for part in parts)
+
+
+def test_every_fault_kernel_has_an_expectation():
+    assert sorted(ops.fault_names()) == sorted(FAULTS)
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_fault_diagnostics(order, name):
+    with pytest.raises(RuntimeError) as info:
+        ops.run_fault(name)
+    assert re.fullmatch(expected_fault(name, order), str(info.value)), str(info.value)
+    x = integers(2, 100)  # the next launch works
+    assert torch.equal(ops.block_sum(x, 64), x.sum(1))
+
+
+def test_controls_reject_bad_values():
+    with pytest.raises(
+        RuntimeError, match="order must be forward, reverse or random, not 'sideways'"
+    ):
+        ops.set_order("sideways", 0)
+    with pytest.raises(RuntimeError, match="workers must be at least 1, got 0"):
+        ops.set_workers(0)
+
+
+def test_random_order_is_deterministic_per_seed():
+    saved = ops.config()
+    try:
+        ops.set_workers(1)
+        x = torch.arange(1, 257, dtype=torch.float32)
+        runs = {}
+        for seed in [5, 5, 6]:
+            ops.set_order("random", seed)
+            runs.setdefault(seed, []).append(ops.missing_barrier(x))
+        assert torch.equal(runs[5][0].nan_to_num(-1), runs[5][1].nan_to_num(-1))
+        assert not torch.equal(runs[5][0].nan_to_num(-1), runs[6][0].nan_to_num(-1))
+    finally:
+        ops.set_order(saved[0], saved[1])
+        ops.set_workers(saved[2])
+
+
+def test_environment_sets_the_controls():
+    env = dict(
+        os.environ, PAGEDKV_SIMT_ORDER="reverse", PAGEDKV_SIMT_SEED="7", PAGEDKV_SIMT_WORKERS="3"
+    )
+    code = "import torch, pagedkv._simt; print(tuple(torch.ops.pagedkv_simt_test.config()))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "('reverse', 7, 3)"
