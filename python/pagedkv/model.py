@@ -169,9 +169,9 @@ class Attention(nn.Module):
         ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         query_start_loc = batch.query_start_loc if batch.max_query_len > 1 else None
-        _paged_attention(out, q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                         query_start_loc, batch.max_seq_len, batch.max_query_len, self.scale,
-                         None, -1, 0.0, k_scale, v_scale, None)
+        ops.paged_attention(out, q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
+                            query_start_loc, batch.max_seq_len, batch.max_query_len, self.scale,
+                            k_scale=k_scale, v_scale=v_scale)
         return self.o_proj(out.view(n, -1))
 
 
@@ -268,24 +268,3 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden[logits_indices]
         return self.lm_head(hidden)
 
-
-def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                     max_seq_len, max_query_len, scale, alibi_slopes, sliding_window, soft_cap,
-                     k_scale, v_scale, lse_out) -> None:
-    """Temporary stand-in for pagedkv.ops.paged_attention until the op lands on main."""
-    from .reference import dequantize, gather_kv
-    num_kv_heads = key_cache.shape[1]
-    group = query.shape[1] // num_kv_heads
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        if query_start_loc is None:
-            start, end = i, i + 1
-        else:
-            start, end = query_start_loc[i].item(), query_start_loc[i + 1].item()
-        k, v = gather_kv(key_cache, value_cache, block_tables[i], seq_len)
-        k = dequantize(k, k_scale).repeat_interleave(group, 1)
-        v = dequantize(v, v_scale).repeat_interleave(group, 1)
-        q = query[start:end].float()
-        logits = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
-        logits = logits.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v).to(out.dtype)
