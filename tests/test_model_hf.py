@@ -65,22 +65,23 @@ def paged_generate(model: LlamaForCausalLM, prompts: list[list[int]], max_new: i
 
     With ``forced``, those tokens are fed instead of the argmax (teacher forcing).
     """
-    dtype = next(model.parameters()).dtype
-    spec = model.config.kv_cache_spec(block_size, dtype, cache_dtype)
-    cache = PagedKVCache(spec, num_blocks=128)
+    param = next(model.parameters())
+    spec = model.config.kv_cache_spec(block_size, param.dtype, cache_dtype)
+    cache = PagedKVCache(spec, num_blocks=128, device=param.device)
     manager = BlockManager(cache, enable_prefix_caching=False, debug_nan=True)
     ids = list(range(len(prompts)))
     for i, prompt in enumerate(prompts):
         manager.add_sequence(i, prompt)
     tokens, query_lens, steps = [list(p) for p in prompts], [len(p) for p in prompts], []
     for step in range(max_new):
-        batch = manager.build_batch(ids, query_lens)
+        batch = manager.build_batch(ids, query_lens, device=param.device)
         pairs = list(zip(tokens, query_lens, strict=True))
         input_ids = torch.tensor([t for seq, q in pairs for t in seq[-q:]])
         positions = torch.cat([torch.arange(len(seq) - q, len(seq)) for seq, q in pairs])
         with torch.no_grad():
-            logits = model(input_ids, positions, cache, batch, batch.query_start_loc[1:] - 1)
-        steps.append(logits.float())
+            logits = model(input_ids.to(param.device), positions.to(param.device), cache, batch,
+                           batch.query_start_loc[1:] - 1)
+        steps.append(logits.float().cpu())
         chosen = logits.argmax(-1).tolist() if forced is None else [f[step] for f in forced]
         for i, token in enumerate(chosen):
             tokens[i].append(token)
@@ -100,6 +101,28 @@ def hf_step_logits(hf: torch.nn.Module, prompt: list[int], new: list[int]) -> to
 def test_greedy_float32_matches_hf_generate(name: str) -> None:
     hf = tiny_hf_model(**CONFIGS[name])
     model = LlamaForCausalLM.from_hf(hf)
+    ours, logits = paged_generate(model, PROMPTS, MAX_NEW)
+    for i, prompt in enumerate(PROMPTS):
+        assert ours[i] == hf_greedy(hf, prompt, MAX_NEW), f"prompt {i}"
+        torch.testing.assert_close(logits[:, i], hf_step_logits(hf, prompt, ours[i]),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_cuda_kernel_source_under_simt_matches_hf() -> None:
+    """The CUDA kernels (reshape_and_cache, paged_attention), emulated on the CPU."""
+    from pagedkv import simt
+    if not simt.available():
+        pytest.skip("pagedkv built without the simt emulator")
+    hf = tiny_hf_model(**CONFIGS["gqa"])
+    model = LlamaForCausalLM.from_hf(hf).use_kernels(simt.ops)
+    ours, _ = paged_generate(model, PROMPTS[1:4], 4)
+    assert ours == [hf_greedy(hf, prompt, 4) for prompt in PROMPTS[1:4]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_matches_hf_on_cpu() -> None:
+    hf = tiny_hf_model(**CONFIGS["gqa"])
+    model = LlamaForCausalLM.from_hf(hf).cuda()
     ours, logits = paged_generate(model, PROMPTS, MAX_NEW)
     for i, prompt in enumerate(PROMPTS):
         assert ours[i] == hf_greedy(hf, prompt, MAX_NEW), f"prompt {i}"

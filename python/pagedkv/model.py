@@ -142,6 +142,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """GQA self-attention over the paged cache of one layer."""
 
+    kernels: Any = ops  # pagedkv.ops, or a torch.ops namespace with the same schemas
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -166,12 +168,15 @@ class Attention(nn.Module):
         key_cache, value_cache = cache.layer(self.layer)
         k_scale = cache.k_scales[self.layer] if cache.k_scales else None
         v_scale = cache.v_scales[self.layer] if cache.v_scales else None
-        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale, v_scale)
+        kernels = self.kernels
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale,
+                                  v_scale)
         out = torch.empty_like(q)
         query_start_loc = batch.query_start_loc if batch.max_query_len > 1 else None
-        ops.paged_attention(out, q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                            query_start_loc, batch.max_seq_len, batch.max_query_len, self.scale,
-                            k_scale=k_scale, v_scale=v_scale)
+        kernels.paged_attention(out, q, key_cache, value_cache, batch.block_tables,
+                                batch.seq_lens, query_start_loc, batch.max_seq_len,
+                                batch.max_query_len, self.scale, None, -1, 0.0, k_scale, v_scale,
+                                None)
         return self.o_proj(out.view(n, -1))
 
 
@@ -248,6 +253,15 @@ class LlamaForCausalLM(nn.Module):
         model.load_hf_state_dict(hf_model.state_dict())
         param = next(hf_model.parameters())
         return model.to(device=param.device, dtype=dtype or param.dtype).eval()
+
+    def use_kernels(self, kernels: Any) -> LlamaForCausalLM:
+        """Run the cache ops from ``kernels``: ``pagedkv.ops`` (default) or a ``torch.ops``
+        namespace with pagedkv's schemas, e.g. ``pagedkv.simt.ops`` (the CUDA kernel source
+        emulated on the CPU)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.kernels = kernels
+        return self
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load a Hugging Face ``LlamaForCausalLM`` state dict (``lm_head`` optional if tied)."""
