@@ -1,8 +1,9 @@
 # Developer entry points. Each target sets up what it needs: a venv with pinned torch and tools,
 # then the extension built in place (nvcc CUDA kernels when torch has CUDA and nvcc is found).
 #
-#   make bench             set up, build, run every microbenchmark (the main job)
+#   make demo              set up, build, run the end-to-end demo (the main job)
 #   make test              set up, build, run the test suite (what CI runs)
+#   make bench             set up, build, run every microbenchmark
 #   make test TORCH=2.13.0 the same against the CPU-only torch build (no nvcc use)
 #   make ctest             torch-free native targets: emulator self-tests, nvcc + ptxas report
 
@@ -17,7 +18,7 @@ ifeq ($(TORCH),2.13.0)
 export PAGEDKV_CUDA ?= 0
 endif
 
-.PHONY: setup build test bench lint ctest clean
+.PHONY: setup build test demo bench lint ctest clean
 
 setup: $(STAMP)
 
@@ -41,6 +42,9 @@ $(EDITABLE): pyproject.toml
 
 test: build
 	$(PY) -m pytest -q
+
+demo: build
+	$(VENV)/bin/pagedkv demo
 
 bench: build
 	$(PY) -m bench

@@ -20,9 +20,10 @@ import statistics
 import time
 from pathlib import Path
 
-import pagedkv
 import torch
 import torch.nn.functional as F
+
+import pagedkv
 from pagedkv import reference
 
 ROWS = [(8, 2048), (32, 1024), (1, 16384), (64, 512)]

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 import torch
+
 from pagedkv import reference
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_cases import FLOAT_DTYPES, Case, call, check, make_args, max_err
+
 from pagedkv import reference
 
 TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

@@ -7,7 +7,13 @@ from pagedkv.cache import PagedKVCache
 from pagedkv.errors import *  # noqa: F403
 from pagedkv.errors import __all__ as _error_names
 from pagedkv.manager import BlockManager
-from pagedkv.ops import copy_blocks, reshape_and_cache, swap_blocks
+from pagedkv.ops import (
+    copy_blocks,
+    merge_attn_states,
+    paged_attention,
+    reshape_and_cache,
+    swap_blocks,
+)
 from pagedkv.prefix import PrefixCache
 from pagedkv.spec import KVCacheSpec
 
@@ -21,7 +27,9 @@ __all__ = [
     "PagedKVCache",
     "PrefixCache",
     "copy_blocks",
+    "merge_attn_states",
     "ops",
+    "paged_attention",
     "reference",
     "reshape_and_cache",
     "swap_blocks",
