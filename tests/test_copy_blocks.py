@@ -26,31 +26,28 @@ def random_mapping(num_blocks: int, num_pairs: int, device) -> torch.Tensor:
     return torch.stack([src, dst], dim=1).to(device)
 
 
+def check_copy(backend, keys, values, mapping) -> None:
+    want_k = [k.clone() for k in keys]
+    want_v = [v.clone() for v in values]
+    reference.copy_blocks(want_k, want_v, mapping)
+    backend.ops.copy_blocks(keys, values, mapping)
+    for got, want in zip(keys + values, want_k + want_v, strict=True):
+        assert_same_bits(got, want)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES + FP8_DTYPES, ids=str)
 @pytest.mark.parametrize("block_size,head_size", [(16, 64), (1, 80), (5, 7)])
 def test_matches_reference(backend, layout, dtype, block_size, head_size):
     keys, values = make_layers(backend, layout, dtype, block_size=block_size,
                                head_size=head_size)
-    mapping = random_mapping(23, 9, backend.device)
-    want_k = [k.clone() for k in keys]
-    want_v = [v.clone() for v in values]
-    reference.copy_blocks(want_k, want_v, mapping)
-    backend.ops.copy_blocks(keys, values, mapping)
-    for got, want in zip(keys + values, want_k + want_v, strict=True):
-        assert_same_bits(got, want)
+    check_copy(backend, keys, values, random_mapping(23, 9, backend.device))
 
 
 def test_many_layers_span_several_launches(backend):
     keys, values = make_layers(backend, "hnd", torch.float16, num_layers=130, num_blocks=6,
                                block_size=4, head_size=8)
-    mapping = random_mapping(6, 2, backend.device)
-    want_k = [k.clone() for k in keys]
-    want_v = [v.clone() for v in values]
-    reference.copy_blocks(want_k, want_v, mapping)
-    backend.ops.copy_blocks(keys, values, mapping)
-    for got, want in zip(keys + values, want_k + want_v, strict=True):
-        assert_same_bits(got, want)
+    check_copy(backend, keys, values, random_mapping(6, 2, backend.device))
 
 
 def test_empty_mapping_and_no_layers(backend):
