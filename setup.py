@@ -76,7 +76,9 @@ if WITH_CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.i
     os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
 os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
 
-CXX_FLAGS = ["-O3", "-std=c++20", "-Wall", "-Wno-unknown-pragmas"]
+# -fopenmp: at::parallel_for is inline in ATen's headers and runs serially in a unit compiled
+# without OpenMP. The module then links libgomp.so.1, the soname torch already loaded.
+CXX_FLAGS = ["-O3", "-std=c++20", "-Wall", "-Wno-unknown-pragmas", "-fopenmp"]
 NVCC_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
 SIMT_FLAGS = [
     "-std=c++20", "-O1", "-g", "-fno-strict-aliasing", "-UNDEBUG", "-Wno-unknown-pragmas",
@@ -86,7 +88,9 @@ SIMT_FLAGS = [
 
 def c_extension() -> cpp_extension.CppExtension:
     srcs = sources("csrc/bindings.cpp", "csrc/cpu/*.cpp")
-    common = dict(name="pagedkv._C", include_dirs=[str(ROOT / "csrc")])
+    common = dict(
+        name="pagedkv._C", include_dirs=[str(ROOT / "csrc")], extra_link_args=["-fopenmp"]
+    )
     if not WITH_CUDA:
         return cpp_extension.CppExtension(sources=srcs, extra_compile_args=CXX_FLAGS, **common)
     srcs += sources("csrc/cuda/*.cpp", "csrc/cuda/*.cu")
