@@ -16,21 +16,12 @@ from pagedkv.engine import EngineConfig, LLMEngine, SamplingParams, Status
 from pagedkv.model import LlamaForCausalLM
 
 pytest.importorskip("transformers")
-from test_model_hf import hf_greedy, tiny_hf_model  # noqa: E402
+from test_model_hf import hf_greedy, one_thread, tiny_hf_model  # noqa: E402, F401
 
 SYSTEM = [7, 3, 99, 42, 17, 250, 8, 64, 5, 11, 200, 31, 90]
 PROMPTS = [SYSTEM + [1, 2], [5, 6, 7], SYSTEM + [40, 41, 42, 43, 44, 45], list(range(60, 79)),
            [9], SYSTEM + [2]]
 MAX_TOKENS = [10, 4, 12, 7, 9, 11]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and fair to a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
