@@ -78,34 +78,27 @@ inline ReshapeAndCacheParams reshape_and_cache_params(
   return p;
 }
 
-// A [num_pairs, 2] int64 (src, dst) block mapping; ids checked against the block counts when
-// the indices are readable for free (see index_checks_enabled).
+// A [num_pairs, 2] int64 (src, dst) block mapping. When the indices are readable for free (see
+// index_checks_enabled), ids are checked against the block counts and, since pairs are applied
+// concurrently, a destination may appear once and, within one cache, never as a source.
 inline void check_block_mapping(const at::Tensor& mapping, int64_t src_blocks, int64_t dst_blocks,
-                                const char* op) {
+                                bool same_cache, const char* op) {
   check_index(mapping, at::kLong, op, "block_mapping");
   TORCH_CHECK(mapping.dim() == 2 && mapping.size(1) == 2, op,
               ": block_mapping must be [num_pairs, 2] (src, dst), got shape ", mapping.sizes());
   if (!index_checks_enabled(mapping) || mapping.size(0) == 0) return;
   const at::Tensor host = mapping.cpu();
   const int64_t* ids = host.data_ptr<int64_t>();
-  for (int64_t i = 0; i < host.size(0); ++i) {
+  const int64_t num_pairs = host.size(0);
+  for (int64_t i = 0; i < num_pairs; ++i) {
     TORCH_CHECK(ids[2 * i] >= 0 && ids[2 * i] < src_blocks, op, ": block_mapping[", i,
                 "] has source block ", ids[2 * i], ", expected 0 <= id < ", src_blocks);
     TORCH_CHECK(ids[2 * i + 1] >= 0 && ids[2 * i + 1] < dst_blocks, op, ": block_mapping[", i,
                 "] has destination block ", ids[2 * i + 1], ", expected 0 <= id < ", dst_blocks);
   }
-}
-
-// Pairs are applied concurrently, so a destination may appear once, and within one cache never
-// as a source.
-inline void check_disjoint_destinations(const at::Tensor& mapping, bool same_cache,
-                                        const char* op) {
-  if (!index_checks_enabled(mapping) || mapping.size(0) == 0) return;
-  const at::Tensor host = mapping.cpu();
-  const int64_t* ids = host.data_ptr<int64_t>();
   std::unordered_set<int64_t> sources, destinations;
-  for (int64_t i = 0; i < host.size(0); ++i) sources.insert(ids[2 * i]);
-  for (int64_t i = 0; i < host.size(0); ++i) {
+  for (int64_t i = 0; i < num_pairs; ++i) sources.insert(ids[2 * i]);
+  for (int64_t i = 0; i < num_pairs; ++i) {
     const int64_t dst = ids[2 * i + 1];
     TORCH_CHECK(destinations.insert(dst).second, op, ": block_mapping names destination block ",
                 dst, " twice");
@@ -137,8 +130,7 @@ inline std::vector<CopyBlocksParams> copy_blocks_params(at::TensorList key_cache
                 l, " differs");
   }
   check_device(block_mapping, k0, op, "block_mapping", "the caches");
-  check_block_mapping(block_mapping, k0.size(0), k0.size(0), op);
-  check_disjoint_destinations(block_mapping, /*same_cache=*/true, op);
+  check_block_mapping(block_mapping, k0.size(0), k0.size(0), /*same_cache=*/true, op);
   const int64_t elem = k0.element_size();
   for (size_t first = 0; first < key_caches.size(); first += kMaxLayersPerLaunch) {
     CopyBlocksParams p{};
@@ -192,8 +184,7 @@ inline SwapBlocksParams swap_blocks_params(const at::Tensor& src, const at::Tens
               src.strides());
   TORCH_CHECK(block_mapping.is_cpu(), op, ": block_mapping must be on the CPU, got ",
               block_mapping.device());
-  check_block_mapping(block_mapping, src.size(0), dst.size(0), op);
-  check_disjoint_destinations(block_mapping, src.is_same(dst), op);
+  check_block_mapping(block_mapping, src.size(0), dst.size(0), src.is_same(dst), op);
   const int64_t elem = src.element_size();
   SwapBlocksParams p{};
   p.src = static_cast<const char*>(src.data_ptr());
