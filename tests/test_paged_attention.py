@@ -183,6 +183,11 @@ def test_cpu_instruction_sets(backend, isa, monkeypatch):
     monkeypatch.setenv("PAGEDKV_CPU_ISA", isa)
     for dtype in (torch.float16, torch.bfloat16):
         run(backend, Case(dtype=dtype, head_size=80, num_kv_heads=1, **FEATURES["all"]))
+    # bfloat16 V rows are accumulated in pair order (groups of 2 vectors); head sizes with a
+    # single vector left over, and groups of 3 and 2 query heads per kv head (row tiles of 2, 1).
+    for head_size, heads in ((88, (6, 2)), (120, (4, 2)), (72, (3, 1))):
+        run(backend, Case(dtype=torch.bfloat16, head_size=head_size, num_heads=heads[0],
+                          num_kv_heads=heads[1], seq_lens=(1, 33, 70, 129)))
     run(backend, Case(seq_lens=VARLEN[0], q_lens=VARLEN[1], cache_dtype=torch.float8_e4m3fn,
                       head_size=128, alibi=True, soft_cap=5.0))
     run(backend, Case(seq_lens=(700, 3), num_heads=2, num_kv_heads=2, head_size=32,

@@ -112,130 +112,172 @@ struct RowCursor {
 };
 
 // ---- S = Q K^T ----------------------------------------------------------------------------
-// K rows are read straight from the cache and converted in registers: each K element is loaded
-// once per 4 query rows (once in all for decode with a group of up to 4 heads).
+// K rows are read straight from the cache and converted in registers. A tile is RB query rows
+// x TB keys with RB * TB = 8 accumulators (8 independent FMA chains, and every K element loaded
+// once per RB rows); its 8 dot products are reduced together by one hsum8. Every loop over a
+// tile's registers is unrolled, so that the accumulators live in registers.
 
-// s[r * TC + t] = q_r . k_t for RB rows of q (row stride D) and TB keys.
+// s[r * TC + t] = q_r . k_t for RB rows of q (row stride D) and TB keys; RB * TB is 8 or 12.
 template <int RB, int TB, typename C>
-inline void qk_tile(const float* q, const C* const* k, int D, float* s) {
-  vf acc[RB][TB] = {};
+[[gnu::always_inline]] inline void qk_tile(const float* q, const C* const* k, int D, float* s) {
+  constexpr int N = RB * TB;
+  static_assert(N == 8 || N == 12);
+  vf acc[N];
+#pragma GCC unroll 12
+  for (int i = 0; i < N; ++i) acc[i] = splat(0.f);
   for (int d = 0; d < D; d += W) {
     vf kv[TB];
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int t = 0; t < TB; ++t) kv[t] = load_float(k[t] + d);
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      const vf qv = load(q + r * D + d);
-#pragma GCC unroll 16
-      for (int t = 0; t < TB; ++t) acc[r][t] = fmadd(qv, kv[t], acc[r][t]);
+      vf qv = load(q + r * D + d);
+      if constexpr (TB > 1) in_register(qv);  // one load for TB FMAs, not one each
+#pragma GCC unroll 8
+      for (int t = 0; t < TB; ++t) acc[r * TB + t] = fmadd(qv, kv[t], acc[r * TB + t]);
     }
   }
-  if constexpr (RB * TB >= 8) {
-    float sums[RB * TB];
-    hsum8(&acc[0][0], sums);
-    if constexpr (RB * TB >= 16) hsum8(&acc[0][0] + 8, sums + 8);
-    for (int i = (RB * TB) / 8 * 8; i < RB * TB; ++i) sums[i] = hsum((&acc[0][0])[i]);
-    for (int r = 0; r < RB; ++r)
-      for (int t = 0; t < TB; ++t) s[r * TC + t] = sums[r * TB + t];
-  } else {
-    for (int r = 0; r < RB; ++r)
-      for (int t = 0; t < TB; ++t) s[r * TC + t] = hsum(acc[r][t]);
+  float sums[N];
+  const vf8 lo = hsum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]);
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) sums[i] = lo[i];
+  if constexpr (N == 12) {
+    const vf4 hi = hsum4(acc[8], acc[9], acc[10], acc[11]);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) sums[8 + i] = hi[i];
   }
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int t = 0; t < TB; ++t) s[r * TC + t] = sums[r * TB + t];
 }
 
-// The rows of a later chunk, prefetched while this chunk is computed: K rows during S = Q K^T,
-// V rows during O += P V, a few at a time so that the requests spread over the work.
+// The rows of a later chunk, prefetched while this chunk is computed, a few per tile so that
+// the requests spread over the work: K rows during S = Q K^T, V rows during O += P V.
 template <typename C>
 struct Ahead {
-  const C* k;  // the kv head's caches
-  const C* v;
-  const int64_t* k_offsets;  // of the rows to prefetch
-  const int64_t* v_offsets;
-  int n;
+  const C* const* rows;  // of the chunk kPrefetchChunks ahead (nullptr: none)
+  int n;                 // rows to prefetch
   int row_bytes;
-  int k_done = 0, v_done = 0;
+  int done = 0;
 
-  void fetch_k(int until) {
-    for (; k_done < std::min(until, n); ++k_done) prefetch(k + k_offsets[k_done], row_bytes);
-  }
-  void fetch_v(int until) {
-    for (; v_done < std::min(until, n); ++v_done) prefetch(v + v_offsets[v_done], row_bytes);
+  // Prefetches rows until `until` of every `of` are done.
+  void fetch(int until, int of) {
+    for (const int stop = n * until / of; done < stop; ++done) prefetch(rows[done], row_bytes);
   }
 };
 
-// Tiles of RB rows x TB keys with 12 independent FMA chains (enough to hide the FMA latency,
-// few enough for 16 AVX2 registers), then 2 and 1 keys for the chunk's tail.
-template <int RB, typename C>
-void qk_rows(const float* q, const C* const* k, int n, int D, float* s, Ahead<C>* ahead) {
-  constexpr int TB = 12 / RB;
+// All R rows x TC keys (the chunk's rows beyond its n keys are copies of valid rows; their
+// logits are masked by softmax_row).
+// RB rows x all TC keys: tiles of TB keys, then one of 2 for the rest (TC is even).
+template <int RB, int TB, typename C>
+void qk_rows(const float* q, const C* const* k, int D, float* s, Ahead<C>* ahead) {
   int t = 0;
-  for (; t + TB <= n; t += TB) {
-    if (ahead) ahead->fetch_k(t + TB);
+  for (; t + TB <= TC; t += TB) {
     qk_tile<RB, TB>(q, k + t, D, s + t);
+    if (ahead) ahead->fetch(t + TB, TC);
   }
-  for (; t + 2 <= n; t += 2) qk_tile<RB, 2>(q, k + t, D, s + t);
-  if (t < n) qk_tile<RB, 1>(q, k + t, D, s + t);
-  if (ahead) ahead->fetch_k(TC);
+  if constexpr (TC % TB != 0) qk_tile<RB, 8 / RB>(q, k + t, D, s + t);
 }
 
+// All R rows x TC keys (the chunk's rows beyond its n keys are copies of valid rows; their
+// logits are masked by softmax_row).
 template <typename C>
-void qk(const float* q, int R, const C* const* k, int n, int D, float* s, Ahead<C>& ahead) {
+void qk(const float* q, int R, const C* const* k, int D, float* s, Ahead<C>& ahead) {
   int r = 0;
-  Ahead<C>* fetch = &ahead;  // prefetch once, with the first rows
-  for (; r + 4 <= R; r += 4, fetch = nullptr) qk_rows<4>(q + r * D, k, n, D, s + r * TC, fetch);
+  Ahead<C>* fetch = &ahead;  // prefetch with the first rows
+  for (; r + 4 <= R; r += 4, fetch = nullptr) qk_rows<4, 3>(q + r * D, k, D, s + r * TC, fetch);
   if (R - r >= 2) {
-    qk_rows<2>(q + r * D, k, n, D, s + r * TC, fetch);
+    qk_rows<2, 4>(q + r * D, k, D, s + r * TC, fetch);
     r += 2;
     fetch = nullptr;
   }
-  if (R - r == 1) qk_rows<1>(q + r * D, k, n, D, s + r * TC, fetch);
+  if (R - r == 1) qk_rows<1, 8>(q + r * D, k, D, s + r * TC, fetch);
+  ahead.fetch(1, 1);
 }
 
 // ---- O += P V -----------------------------------------------------------------------------
 
-// o[r][d0, d0 + NV * W) += sum_t p[r * TC + t] v_t[d0, ..) for RB rows (o row stride D).
-template <int RB, int NV, typename C>
-inline void pv_tile(const float* p, const C* const* v, int n, int d0, int D, float* o) {
-  vf acc[RB][NV];
-  for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * D + d0 + j * W);
-  for (int t = 0; t < n; ++t) {
-    const C* vt = v[t] + d0;
-    vf vv[NV];
-#pragma GCC unroll 16
-    for (int j = 0; j < NV; ++j) vv[j] = load_float(vt + j * W);
-#pragma GCC unroll 16
-    for (int r = 0; r < RB; ++r) {
-      const vf pr = splat(p[r * TC + t]);
-#pragma GCC unroll 16
-      for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(pr, vv[j], acc[r][j]);
-    }
+// bfloat16 V rows are read 2W elements at a time (see load_pairs), so the columns of the O
+// accumulators are in pair order: each group of 2W columns holds its W even columns, then its
+// W odd ones; the last D % 2W columns keep their order. unpair() restores the order at the end.
+template <typename C>
+constexpr bool kPairs = std::is_same_v<C, bf16_t>;
+
+// NV vectors of row x from column d0 on, in pair order for bfloat16 when NV is even.
+template <int NV, typename C>
+[[gnu::always_inline]] inline void load_columns(const C* x, vf* out) {
+  if constexpr (kPairs<C> && NV % 2 == 0) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; j += 2) load_pairs(x + j * W, out[j], out[j + 1]);
+  } else {
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) out[j] = load_float(x + j * W);
   }
-  for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NV; ++j) store(o + r * D + d0 + j * W, acc[r][j]);
 }
 
-// Column chunks of 3 vectors for 4 rows (12 FMA chains), then 2 and 1 for the rest of D.
+// Puts a row of D floats accumulated in pair order back in column order.
+template <typename C>
+void unpair(float* row, int D) {
+  if constexpr (kPairs<C>) {
+    float tmp[2 * W];
+    for (int d = 0; d + 2 * W <= D; d += 2 * W) {
+      for (int i = 0; i < W; ++i) {
+        tmp[2 * i] = row[d + i];
+        tmp[2 * i + 1] = row[d + W + i];
+      }
+      std::memcpy(row + d, tmp, sizeof tmp);
+    }
+  }
+}
+
+// o[r][d0, d0 + NV * W) += sum_t p[r * TC + t] v_t[d0, ..) for RB rows (o row stride D), with
+// RB * NV <= 8 accumulators.
+template <int RB, int NV, typename C>
+[[gnu::always_inline]] inline void pv_tile(const float* p, const C* const* v, int n, int d0,
+                                           int D, float* o) {
+  static_assert(RB * NV <= 8);
+  vf acc[8];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[r * NV + j] = load(o + r * D + d0 + j * W);
+  for (int t = 0; t < n; ++t) {
+    vf vv[NV];
+    load_columns<NV>(v[t] + d0, vv);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const vf pr = splat(p[r * TC + t]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) acc[r * NV + j] = fmadd(pr, vv[j], acc[r * NV + j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) store(o + r * D + d0 + j * W, acc[r * NV + j]);
+}
+
+// RB rows over all D columns: NV = 8 / RB vectors at a time, then 2 (keeping the pair order
+// of every whole group of 2W columns), then 1.
 template <int RB, typename C>
 void pv_rows(const float* p, const C* const* v, int n, int D, float* o, Ahead<C>* ahead) {
-  constexpr int NV = 12 / RB;
+  constexpr int NV = 8 / RB;
   int d = 0;
   for (; d + NV * W <= D; d += NV * W) {
-    if (ahead) ahead->fetch_v((d + NV * W) * TC / D);
     pv_tile<RB, NV>(p, v, n, d, D, o);
+    if (ahead) ahead->fetch(d + NV * W, D);
   }
-  if (d + 2 * W <= D) {
-    pv_tile<RB, 2>(p, v, n, d, D, o);
-    d += 2 * W;
+  if constexpr (NV > 2) {
+    for (; d + 2 * W <= D; d += 2 * W) pv_tile<RB, 2>(p, v, n, d, D, o);
   }
   for (; d < D; d += W) pv_tile<RB, 1>(p, v, n, d, D, o);
-  if (ahead) ahead->fetch_v(TC);
 }
 
 template <typename C>
 void pv(const float* p, int R, const C* const* v, int n, int D, float* o, Ahead<C>& ahead) {
   int r = 0;
-  Ahead<C>* fetch = &ahead;
+  Ahead<C>* fetch = &ahead;  // prefetch with the first rows
   for (; r + 4 <= R; r += 4, fetch = nullptr) pv_rows<4>(p + r * TC, v, n, D, o + r * D, fetch);
   if (R - r >= 2) {
     pv_rows<2>(p + r * TC, v, n, D, o + r * D, fetch);
@@ -243,52 +285,8 @@ void pv(const float* p, int R, const C* const* v, int n, int D, float* o, Ahead<
     fetch = nullptr;
   }
   if (R - r == 1) pv_rows<1>(p + r * TC, v, n, D, o + r * D, fetch);
+  ahead.fetch(1, 1);
 }
-
-// ---- online softmax -----------------------------------------------------------------------
-
-// Turns row r's logits s[0, n) for keys key0.. into probabilities relative to the running max
-// m (updated), adds their sum to l and rescales the row's accumulator o.
-inline void softmax_row(const PagedAttentionParams& p, const ItemShape& shape, int r,
-                        int64_t key0, int n, float* s, float* o, float& m, float& l) {
-  const int32_t qpos = shape.qpos0 + shape.query(r);
-  const int64_t lo = p.sliding_window > 0 ? int64_t{qpos} - p.sliding_window + 1 : 0;
-  const int a = static_cast<int>(std::max<int64_t>(0, lo - key0));
-  const int b = static_cast<int>(std::min<int64_t>(n, int64_t{qpos} + 1 - key0));
-  const int npad = (n + W - 1) / W * W;
-  if (a >= b) {
-    for (int t = 0; t < npad; ++t) s[t] = 0.f;
-    return;
-  }
-  const float slope = p.alibi_slopes ? p.alibi_slopes[shape.head(r)] : 0.f;
-  const float cap = p.soft_cap, inv_cap = cap > 0 ? 1.f / cap : 0.f;
-  const float rel0 = static_cast<float>(key0 - qpos);  // key position - query position
-  vf mx = splat(kNegInf);
-  for (int t = 0; t < npad; t += W) {
-    vf x = load(s + t);
-    if (cap > 0) x = cap * vtanh(x * inv_cap);
-    if (slope != 0.f) x = fmadd(splat(slope), __builtin_convertvector(iota() + t, vf) + rel0, x);
-    const vi idx = iota() + t;
-    x = (idx >= a) & (idx < b) ? x : splat(kNegInf);
-    store(s + t, x);
-    mx = vmax(mx, x);
-  }
-  const float m_new = std::max(m, hmax(mx));
-  const float correction = std::exp(m - m_new);  // 0 for the first keys (m = -inf)
-  vf sum = splat(0.f);
-  for (int t = 0; t < npad; t += W) {
-    const vf e = vexp(load(s + t) - m_new);
-    store(s + t, e);
-    sum += e;
-  }
-  l = l * correction + hsum(sum);
-  m = m_new;
-  if (correction != 1.f) {
-    for (int d = 0; d < p.head_size; d += W) store(o + d, load(o + d) * correction);
-  }
-}
-
-// ---- one work item ------------------------------------------------------------------------
 
 struct Scratch {
   float *q, *o, *s, *m, *l;
@@ -305,6 +303,80 @@ inline Scratch carve(float* base, int R, int D) {
   sc.l = sc.m + r16;
   return sc;
 }
+
+// ---- online softmax -----------------------------------------------------------------------
+
+// The keys [a, b) of a chunk that a query sees (a >= b: none).
+struct Visible {
+  int a, b;
+};
+
+// For the query at position qpos and the n keys key0.. of a chunk.
+inline Visible visible(const PagedAttentionParams& p, int32_t qpos, int64_t key0, int n) {
+  const int64_t lo = p.sliding_window > 0 ? int64_t{qpos} - p.sliding_window + 1 : 0;
+  return {static_cast<int>(std::clamp<int64_t>(lo - key0, 0, n)),
+          static_cast<int>(std::clamp<int64_t>(int64_t{qpos} + 1 - key0, 0, n))};
+}
+
+// Turns a row's TC logits s (of the keys from key position - query position = rel0 on) into
+// probabilities relative to the running max m (updated): keys outside vis get 0. Adds their sum
+// to l and rescales the row's accumulator o (D floats) when the max grows.
+inline void softmax_row(const PagedAttentionParams& p, Visible vis, float slope, float rel0,
+                        float* s, float* o, float& m, float& l) {
+  if (vis.a >= vis.b) {
+    for (int t = 0; t < TC; t += W) store(s + t, splat(0.f));
+    return;
+  }
+  const float cap = p.soft_cap;
+  vf mx = splat(kNegInf);
+  if (cap == 0.f && slope == 0.f && vis.a == 0 && vis.b == TC) {  // the common case
+    for (int t = 0; t < TC; t += W) mx = vmax(mx, load(s + t));
+  } else {
+    const float inv_cap = cap > 0.f ? 1.f / cap : 0.f;
+    for (int t = 0; t < TC; t += W) {
+      vf x = load(s + t);
+      if (cap > 0.f) x = cap * vtanh(x * inv_cap);
+      if (slope != 0.f) x = fmadd(splat(slope), __builtin_convertvector(iota() + t, vf) + rel0, x);
+      const vi idx = iota() + t;
+      x = (idx >= vis.a) & (idx < vis.b) ? x : splat(kNegInf);
+      store(s + t, x);
+      mx = vmax(mx, x);
+    }
+  }
+  const float m_new = std::max(m, hmax(mx));
+  if (m_new != m) {  // rescale what was accumulated (nothing yet when m = -inf)
+    const float correction = std::exp(m - m_new);
+    l *= correction;
+    for (int d = 0; d < p.head_size; d += W) store(o + d, load(o + d) * correction);
+    m = m_new;
+  }
+  const vf shift = splat(m);
+  vf sum = splat(0.f);
+  for (int t = 0; t < TC; t += W) {
+    const vf e = vexp(load(s + t) - shift);
+    store(s + t, e);
+    sum += e;
+  }
+  l += hsum(sum);
+}
+
+// Softmax of the rows of kv head h (of the item) for the chunk of n keys from key0.
+inline void softmax_head(const PagedAttentionParams& p, const ItemShape& shape,
+                         const WorkItem& w, int h, int64_t key0, int n, const Scratch& sc) {
+  int r = h * shape.rows_per_head;
+  for (int qi = 0; qi < w.q_count; ++qi) {
+    const int32_t qpos = shape.qpos0 + qi;
+    const Visible vis = visible(p, qpos, key0, n);
+    const float rel0 = static_cast<float>(key0 - qpos);
+    const int32_t head = shape.head0 + h * shape.group;
+    for (int g = 0; g < shape.group; ++g, ++r) {
+      const float slope = p.alibi_slopes ? p.alibi_slopes[head + g] : 0.f;
+      softmax_row(p, vis, slope, rel0, sc.s + r * TC, sc.o + r * p.head_size, sc.m[r], sc.l[r]);
+    }
+  }
+}
+
+// ---- one work item ------------------------------------------------------------------------
 
 template <typename C>
 void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scratch,
@@ -324,37 +396,54 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
     sc.m[r] = kNegInf;
     sc.l[r] = 0.f;
   }
+  // The item is a sequence of steps (chunk, kv head); while one step computes, the rows of
+  // the next step are prefetched. Row offsets are taken one chunk ahead, for that.
   const int32_t* table = p.block_tables + w.seq * p.block_table_stride;
   RowCursor k_cursor(p.k_strides, table, p.block_size, w.key_begin);
   RowCursor v_cursor(p.v_strides, table, p.block_size, w.key_begin);
-  const int64_t ahead_begin = w.key_begin + int64_t{kPrefetchChunks} * TC;
-  RowCursor k_ahead(p.k_strides, table, p.block_size, ahead_begin);
-  RowCursor v_ahead(p.v_strides, table, p.block_size, ahead_begin);
-  int64_t k_off[TC], v_off[TC], k_ahead_off[TC], v_ahead_off[TC];
-  const C* k_rows[TC];  // the chunk's rows of one kv head
-  const C* v_rows[TC];
+  int64_t k_off[2][TC], v_off[2][TC];  // of this chunk and the next one
+  const C *k_rows[TC], *v_rows[TC], *k_next[TC], *v_next[TC];
+  const auto chunk_keys = [&](int64_t key0) {
+    return static_cast<int>(std::clamp<int64_t>(w.key_end - key0, 0, TC));
+  };
+  const auto head_k = [&](int h) {
+    return static_cast<const C*>(p.key_cache) + (w.kv_head + h) * p.k_strides.head;
+  };
+  const auto head_v = [&](int h) {
+    return static_cast<const C*>(p.value_cache) + (w.kv_head + h) * p.v_strides.head;
+  };
   const int rph = shape.rows_per_head;
-  for (int64_t key0 = w.key_begin; key0 < w.key_end; key0 += TC) {
-    const int n = static_cast<int>(std::min<int64_t>(TC, w.key_end - key0));
-    const int n_ahead = static_cast<int>(
-        std::clamp<int64_t>(w.key_end - key0 - int64_t{kPrefetchChunks} * TC, 0, TC));
-    k_cursor.take(n, k_off);
-    v_cursor.take(n, v_off);
-    k_ahead.take(n_ahead, k_ahead_off);
-    v_ahead.take(n_ahead, v_ahead_off);
+  const int row_bytes = D * static_cast<int>(sizeof(C));
+  int cur = 0;
+  k_cursor.take(chunk_keys(w.key_begin), k_off[cur]);
+  v_cursor.take(chunk_keys(w.key_begin), v_off[cur]);
+  for (int64_t key0 = w.key_begin; key0 < w.key_end; key0 += TC, cur ^= 1) {
+    const int n = chunk_keys(key0);
+    const int n_next = chunk_keys(key0 + TC);
+    k_cursor.take(n_next, k_off[cur ^ 1]);
+    v_cursor.take(n_next, v_off[cur ^ 1]);
+    for (int t = n; t < TC; ++t) k_off[cur][t] = k_off[cur][n - 1];  // logits masked
     for (int h = 0; h < w.kv_heads; ++h) {  // consecutive heads: each block read in one sweep
-      const C* k = static_cast<const C*>(p.key_cache) + (w.kv_head + h) * p.k_strides.head;
-      const C* v = static_cast<const C*>(p.value_cache) + (w.kv_head + h) * p.v_strides.head;
-      for (int t = 0; t < n; ++t) {
-        k_rows[t] = k + k_off[t];
-        v_rows[t] = v + v_off[t];
+      const C* k = head_k(h);
+      const C* v = head_v(h);
+      for (int t = 0; t < TC; ++t) k_rows[t] = k + k_off[cur][t];
+      for (int t = 0; t < n; ++t) v_rows[t] = v + v_off[cur][t];
+      // The next step: the next head of this chunk, or the first of the next chunk.
+      const bool last_head = h + 1 == w.kv_heads;
+      const int nn = last_head ? n_next : n;
+      const int64_t* kn = k_off[last_head ? cur ^ 1 : cur];
+      const int64_t* vn = v_off[last_head ? cur ^ 1 : cur];
+      const C* k2 = head_k(last_head ? 0 : h + 1);
+      const C* v2 = head_v(last_head ? 0 : h + 1);
+      for (int t = 0; t < nn; ++t) {
+        k_next[t] = k2 + kn[t];
+        v_next[t] = v2 + vn[t];
       }
-      Ahead<C> ahead{k, v, k_ahead_off, v_ahead_off, n_ahead, D * static_cast<int>(sizeof(C))};
+      Ahead<C> k_fetch{k_next, nn, row_bytes}, v_fetch{v_next, nn, row_bytes};
       const int r0 = h * rph;
-      qk(sc.q + r0 * D, rph, k_rows, n, D, sc.s + r0 * TC, ahead);
-      for (int r = r0; r < r0 + rph; ++r)
-        softmax_row(p, shape, r, key0, n, sc.s + r * TC, sc.o + r * D, sc.m[r], sc.l[r]);
-      pv(sc.s + r0 * TC, rph, v_rows, n, D, sc.o + r0 * D, ahead);
+      qk(sc.q + r0 * D, rph, k_rows, D, sc.s + r0 * TC, k_fetch);
+      softmax_head(p, shape, w, h, key0, n, sc);
+      pv(sc.s + r0 * TC, rph, v_rows, n, D, sc.o + r0 * D, v_fetch);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -362,6 +451,7 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
     const float mul = empty ? 0.f : v_mul / sc.l[r];
     const float lse = empty ? kNegInf : sc.m[r] + std::log(sc.l[r]);
     float* o = sc.o + r * D;
+    unpair<C>(o, D);
     for (int d = 0; d < D; d += W) store(o + d, load(o + d) * mul);
     if (w.slot >= 0) {
       const int64_t row = w.slot * partials.rows_per_slot + r;

@@ -42,6 +42,15 @@ inline vf splat(float x) {
   return v;
 #endif
 }
+// Keeps v in a register: the compiler would otherwise fold its load into every instruction
+// that uses it (one load per use).
+[[gnu::always_inline]] inline void in_register(vf& v) {
+#if PKV_ISA >= 1
+  __asm__("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 // Asks for the cache lines of [p, p + bytes) ahead of their use.
@@ -77,25 +86,39 @@ inline float hmax(vf v) {
   return m;
 }
 
-// out[i] = hsum(a[i]) for eight vectors.
-inline void hsum8(const vf* a, float* out) {
-#if PKV_ISA >= 1
-  __m256 x[8];
-  for (int i = 0; i < 8; ++i) {
+// The horizontal sums of eight vectors, as one vector of 8 floats.
+typedef float vf8 __attribute__((vector_size(32)));
 #if PKV_ISA == 2
-    x[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
-#else
-    x[i] = a[i];
+inline __m256 fold8(vf a) {  // the sum of a's two halves
+  return _mm256_add_ps(_mm512_castps512_ps256(a),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+#elif PKV_ISA == 1
+inline __m256 fold8(vf a) { return a; }
 #endif
-  }
-  // After two rounds of hadd, lane j of h0 (h1) holds half of the sum of x[j] (x[4 + j]).
-  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
-  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
-  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
-                                      _mm256_permute2f128_ps(h0, h1, 0x31)));
+inline vf8 hsum8(vf a0, vf a1, vf a2, vf a3, vf a4, vf a5, vf a6, vf a7) {
+#if PKV_ISA >= 1
+  // After two rounds of hadd, lane j of h0 (h1) holds half of the sum of a_j (a_4+j).
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(fold8(a0), fold8(a1)),
+                                   _mm256_hadd_ps(fold8(a2), fold8(a3)));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(fold8(a4), fold8(a5)),
+                                   _mm256_hadd_ps(fold8(a6), fold8(a7)));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                       _mm256_permute2f128_ps(h0, h1, 0x31));
 #else
-  for (int i = 0; i < 8; ++i) out[i] = hsum(a[i]);
+  return vf8{hsum(a0), hsum(a1), hsum(a2), hsum(a3), hsum(a4), hsum(a5), hsum(a6), hsum(a7)};
+#endif
+}
+
+// The horizontal sums of four vectors.
+typedef float vf4 __attribute__((vector_size(16)));
+inline vf4 hsum4(vf a0, vf a1, vf a2, vf a3) {
+#if PKV_ISA >= 1
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold8(a0), fold8(a1)),
+                                  _mm256_hadd_ps(fold8(a2), fold8(a3)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+#else
+  return vf4{hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
 #endif
 }
 
@@ -128,6 +151,13 @@ inline vf load_float(const bf16_t* p) {
 #else
   return (vf)(__builtin_convertvector(load_raw<vh>(p), vu) << 16);
 #endif
+}
+// 2W bfloat16 elements: the even ones in even, the odd ones in odd (one load, a shift and a
+// mask: cheaper than two widening loads).
+inline void load_pairs(const bf16_t* p, vf& even, vf& odd) {
+  const vu x = load_raw<vu>(p);
+  even = (vf)(x << 16);
+  odd = (vf)(x & 0xFFFF0000u);
 }
 inline vf load_float(const f16_t* p) { return half_to_float(load_raw<vh>(p)); }
 inline vf load_float(const e5m2_t* p) {
