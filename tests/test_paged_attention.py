@@ -188,6 +188,9 @@ def test_cpu_instruction_sets(backend, isa, monkeypatch):
     for head_size, heads in ((88, (6, 2)), (120, (4, 2)), (72, (3, 1))):
         run(backend, Case(dtype=torch.bfloat16, head_size=head_size, num_heads=heads[0],
                           num_kv_heads=heads[1], seq_lens=(1, 33, 70, 129)))
+    # Rows over 256 bytes are taken 16 keys per chunk, not 32: features across those chunks.
+    run(backend, Case(dtype=torch.float32, head_size=96, seq_lens=VARLEN[0], q_lens=VARLEN[1],
+                      **FEATURES["all"]))
     run(backend, Case(seq_lens=VARLEN[0], q_lens=VARLEN[1], cache_dtype=torch.float8_e4m3fn,
                       head_size=128, alibi=True, soft_cap=5.0))
     run(backend, Case(seq_lens=(700, 3), num_heads=2, num_kv_heads=2, head_size=32,

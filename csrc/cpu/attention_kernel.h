@@ -1,8 +1,9 @@
 // CPU paged attention, one work item at a time (cpu/attention_work.h), written once and compiled
-// per instruction set. For each chunk of kKeysPerChunk keys of the item's range:
-//   K, V <- the chunk's row addresses, through the block table (rows kPrefetchChunks ahead
-//           are prefetched meanwhile); elements are converted to float in registers
-//   S = Q K^T for all R rows of the item (the kv head's query heads x query tokens)
+// per instruction set. For each chunk of tc keys of the item's range (tc = chunk_keys(): 16 or
+// 32) and each kv head of the item (a step):
+//   K, V <- the step's row addresses, through the block table; elements are converted to
+//           float in registers
+//   S = Q K^T for the kv head's rows (its query heads x the item's query tokens)
 //   S <- soft cap, ALiBi, causal / window mask;  m' = max(m, rowmax S)
 //   P = exp(S - m'),  l = l e^(m - m') + rowsum P,  O = O e^(m - m') + P V     (online softmax)
 // and at the end out = O / l, lse = m + log l. Q is pre-multiplied by scale * k_scale and O by
@@ -13,8 +14,7 @@
 
 #include "cpu/attention_simd.h"
 
-constexpr int TC = kKeysPerChunk;
-constexpr int kPrefetchChunks = 2;  // rows are prefetched this many chunks ahead of their use
+constexpr int TS = kKeysPerChunk;  // the row stride of S: the most keys in a chunk
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ---- rows in and out ----------------------------------------------------------------------
@@ -117,7 +117,7 @@ struct RowCursor {
 // once per RB rows); its 8 dot products are reduced together by one hsum8. Every loop over a
 // tile's registers is unrolled, so that the accumulators live in registers.
 
-// s[r * TC + t] = q_r . k_t for RB rows of q (row stride D) and TB keys; RB * TB is 8 or 12.
+// s[r * TS + t] = q_r . k_t for RB rows of q (row stride D) and TB keys; RB * TB is 8 or 12.
 template <int RB, int TB, typename C>
 [[gnu::always_inline]] inline void qk_tile(const float* q, const C* const* k, int D, float* s) {
   constexpr int N = RB * TB;
@@ -149,14 +149,15 @@ template <int RB, int TB, typename C>
 #pragma GCC unroll 4
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 8
-    for (int t = 0; t < TB; ++t) s[r * TC + t] = sums[r * TB + t];
+    for (int t = 0; t < TB; ++t) s[r * TS + t] = sums[r * TB + t];
 }
 
-// The rows of a later chunk, prefetched while this chunk is computed, a few per tile so that
-// the requests spread over the work: K rows during S = Q K^T, V rows during O += P V.
+// Rows needed half a step later, prefetched a few per tile so that the requests spread over
+// the work: during S = Q K^T the step's V rows, during O += P V the next step's K rows. (Half a
+// step ahead, not more: the step's rows and the prefetched ones then fit in L1D together.)
 template <typename C>
 struct Ahead {
-  const C* const* rows;  // of the chunk kPrefetchChunks ahead (nullptr: none)
+  const C* const* rows;
   int n;                 // rows to prefetch
   int row_bytes;
   int done = 0;
@@ -167,32 +168,32 @@ struct Ahead {
   }
 };
 
-// All R rows x TC keys (the chunk's rows beyond its n keys are copies of valid rows; their
-// logits are masked by softmax_row).
-// RB rows x all TC keys: tiles of TB keys, then one of 2 for the rest (TC is even).
+// RB rows x tc keys: tiles of TB keys, then one of 8 / RB keys for the rest (tc is a multiple
+// of 16; k holds tc + 8 / RB rows).
 template <int RB, int TB, typename C>
-void qk_rows(const float* q, const C* const* k, int D, float* s, Ahead<C>* ahead) {
+void qk_rows(const float* q, const C* const* k, int tc, int D, float* s, Ahead<C>* ahead) {
   int t = 0;
-  for (; t + TB <= TC; t += TB) {
+  for (; t + TB <= tc; t += TB) {
     qk_tile<RB, TB>(q, k + t, D, s + t);
-    if (ahead) ahead->fetch(t + TB, TC);
+    if (ahead) ahead->fetch(t + TB, tc);
   }
-  if constexpr (TC % TB != 0) qk_tile<RB, 8 / RB>(q, k + t, D, s + t);
+  if (t < tc) qk_tile<RB, 8 / RB>(q, k + t, D, s + t);
 }
 
-// All R rows x TC keys (the chunk's rows beyond its n keys are copies of valid rows; their
-// logits are masked by softmax_row).
+// All R rows x tc keys. The rows of k past the chunk's keys are copies of valid rows; their
+// logits are masked by softmax_row.
 template <typename C>
-void qk(const float* q, int R, const C* const* k, int D, float* s, Ahead<C>& ahead) {
+void qk(const float* q, int R, const C* const* k, int tc, int D, float* s, Ahead<C>& ahead) {
   int r = 0;
   Ahead<C>* fetch = &ahead;  // prefetch with the first rows
-  for (; r + 4 <= R; r += 4, fetch = nullptr) qk_rows<4, 3>(q + r * D, k, D, s + r * TC, fetch);
+  for (; r + 4 <= R; r += 4, fetch = nullptr)
+    qk_rows<4, 3>(q + r * D, k, tc, D, s + r * TS, fetch);
   if (R - r >= 2) {
-    qk_rows<2, 4>(q + r * D, k, D, s + r * TC, fetch);
+    qk_rows<2, 4>(q + r * D, k, tc, D, s + r * TS, fetch);
     r += 2;
     fetch = nullptr;
   }
-  if (R - r == 1) qk_rows<1, 8>(q + r * D, k, D, s + r * TC, fetch);
+  if (R - r == 1) qk_rows<1, 8>(q + r * D, k, tc, D, s + r * TS, fetch);
   ahead.fetch(1, 1);
 }
 
@@ -231,7 +232,7 @@ void unpair(float* row, int D) {
   }
 }
 
-// o[r][d0, d0 + NV * W) += sum_t p[r * TC + t] v_t[d0, ..) for RB rows (o row stride D), with
+// o[r][d0, d0 + NV * W) += sum_t p[r * TS + t] v_t[d0, ..) for RB rows (o row stride D), with
 // RB * NV <= 8 accumulators.
 template <int RB, int NV, typename C>
 [[gnu::always_inline]] inline void pv_tile(const float* p, const C* const* v, int n, int d0,
@@ -247,7 +248,7 @@ template <int RB, int NV, typename C>
     load_columns<NV>(v[t] + d0, vv);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      const vf pr = splat(p[r * TC + t]);
+      const vf pr = splat(p[r * TS + t]);
 #pragma GCC unroll 8
       for (int j = 0; j < NV; ++j) acc[r * NV + j] = fmadd(pr, vv[j], acc[r * NV + j]);
     }
@@ -278,13 +279,13 @@ template <typename C>
 void pv(const float* p, int R, const C* const* v, int n, int D, float* o, Ahead<C>& ahead) {
   int r = 0;
   Ahead<C>* fetch = &ahead;  // prefetch with the first rows
-  for (; r + 4 <= R; r += 4, fetch = nullptr) pv_rows<4>(p + r * TC, v, n, D, o + r * D, fetch);
+  for (; r + 4 <= R; r += 4, fetch = nullptr) pv_rows<4>(p + r * TS, v, n, D, o + r * D, fetch);
   if (R - r >= 2) {
-    pv_rows<2>(p + r * TC, v, n, D, o + r * D, fetch);
+    pv_rows<2>(p + r * TS, v, n, D, o + r * D, fetch);
     r += 2;
     fetch = nullptr;
   }
-  if (R - r == 1) pv_rows<1>(p + r * TC, v, n, D, o + r * D, fetch);
+  if (R - r == 1) pv_rows<1>(p + r * TS, v, n, D, o + r * D, fetch);
   ahead.fetch(1, 1);
 }
 
@@ -299,7 +300,7 @@ inline Scratch carve(float* base, int R, int D) {
   sc.q = base;
   sc.o = sc.q + R * D;
   sc.s = sc.o + R * D;
-  sc.m = sc.s + R * TC;
+  sc.m = sc.s + R * TS;
   sc.l = sc.m + r16;
   return sc;
 }
@@ -318,22 +319,22 @@ inline Visible visible(const PagedAttentionParams& p, int32_t qpos, int64_t key0
           static_cast<int>(std::clamp<int64_t>(int64_t{qpos} + 1 - key0, 0, n))};
 }
 
-// Turns a row's TC logits s (of the keys from key position - query position = rel0 on) into
+// Turns a row's tc logits s (of the keys from key position - query position = rel0 on) into
 // probabilities relative to the running max m (updated): keys outside vis get 0. Adds their sum
 // to l and rescales the row's accumulator o (D floats) when the max grows.
 inline void softmax_row(const PagedAttentionParams& p, Visible vis, float slope, float rel0,
-                        float* s, float* o, float& m, float& l) {
+                        int tc, float* s, float* o, float& m, float& l) {
   if (vis.a >= vis.b) {
-    for (int t = 0; t < TC; t += W) store(s + t, splat(0.f));
+    for (int t = 0; t < tc; t += W) store(s + t, splat(0.f));
     return;
   }
   const float cap = p.soft_cap;
   vf mx = splat(kNegInf);
-  if (cap == 0.f && slope == 0.f && vis.a == 0 && vis.b == TC) {  // the common case
-    for (int t = 0; t < TC; t += W) mx = vmax(mx, load(s + t));
+  if (cap == 0.f && slope == 0.f && vis.a == 0 && vis.b == tc) {  // the common case
+    for (int t = 0; t < tc; t += W) mx = vmax(mx, load(s + t));
   } else {
     const float inv_cap = cap > 0.f ? 1.f / cap : 0.f;
-    for (int t = 0; t < TC; t += W) {
+    for (int t = 0; t < tc; t += W) {
       vf x = load(s + t);
       if (cap > 0.f) x = cap * vtanh(x * inv_cap);
       if (slope != 0.f) x = fmadd(splat(slope), __builtin_convertvector(iota() + t, vf) + rel0, x);
@@ -352,17 +353,18 @@ inline void softmax_row(const PagedAttentionParams& p, Visible vis, float slope,
   }
   const vf shift = splat(m);
   vf sum = splat(0.f);
-  for (int t = 0; t < TC; t += W) {
-    const vf e = vexp(load(s + t) - shift);
+  for (int t = 0; t < tc; t += W) {
+    const vf e = vexp_nonpositive(load(s + t) - shift);
     store(s + t, e);
     sum += e;
   }
   l += hsum(sum);
 }
 
-// Softmax of the rows of kv head h (of the item) for the chunk of n keys from key0.
+// Softmax of the rows of kv head h (of the item) for the chunk of n <= tc keys from key0.
 inline void softmax_head(const PagedAttentionParams& p, const ItemShape& shape,
-                         const WorkItem& w, int h, int64_t key0, int n, const Scratch& sc) {
+                         const WorkItem& w, int h, int64_t key0, int n, int tc,
+                         const Scratch& sc) {
   int r = h * shape.rows_per_head;
   for (int qi = 0; qi < w.q_count; ++qi) {
     const int32_t qpos = shape.qpos0 + qi;
@@ -371,12 +373,19 @@ inline void softmax_head(const PagedAttentionParams& p, const ItemShape& shape,
     const int32_t head = shape.head0 + h * shape.group;
     for (int g = 0; g < shape.group; ++g, ++r) {
       const float slope = p.alibi_slopes ? p.alibi_slopes[head + g] : 0.f;
-      softmax_row(p, vis, slope, rel0, sc.s + r * TC, sc.o + r * p.head_size, sc.m[r], sc.l[r]);
+      softmax_row(p, vis, slope, rel0, tc, sc.s + r * TS, sc.o + r * p.head_size, sc.m[r],
+                  sc.l[r]);
     }
   }
 }
 
 // ---- one work item ------------------------------------------------------------------------
+
+// Keys per chunk for K/V rows of row_bytes: 32, or 16 for rows over 256 bytes (float32 at head
+// size 128), so that a step's rows stay near 16 KB: the step's rows and the next ones being
+// prefetched share L1D. A multiple of 16 (softmax_row works in whole vectors).
+constexpr int chunk_keys(int row_bytes) { return row_bytes > 256 ? TS / 2 : TS; }
+static_assert(TS % 32 == 0);
 
 template <typename C>
 void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scratch,
@@ -396,15 +405,16 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
     sc.m[r] = kNegInf;
     sc.l[r] = 0.f;
   }
-  // The item is a sequence of steps (chunk, kv head); while one step computes, the rows of
-  // the next step are prefetched. Row offsets are taken one chunk ahead, for that.
+  // The item is a sequence of steps (chunk, kv head). Row offsets are taken a chunk ahead, so
+  // that a step knows the rows of the next one (to prefetch).
+  const int tc = chunk_keys(D * static_cast<int>(sizeof(C)));
   const int32_t* table = p.block_tables + w.seq * p.block_table_stride;
   RowCursor k_cursor(p.k_strides, table, p.block_size, w.key_begin);
   RowCursor v_cursor(p.v_strides, table, p.block_size, w.key_begin);
-  int64_t k_off[2][TC], v_off[2][TC];  // of this chunk and the next one
-  const C *k_rows[TC], *v_rows[TC], *k_next[TC], *v_next[TC];
-  const auto chunk_keys = [&](int64_t key0) {
-    return static_cast<int>(std::clamp<int64_t>(w.key_end - key0, 0, TC));
+  int64_t k_off[2][TS + 8], v_off[2][TS];  // of this chunk and the next one
+  const C *k_rows[TS + 8], *v_rows[TS], *k_next[TS];
+  const auto keys_from = [&](int64_t key0) {
+    return static_cast<int>(std::clamp<int64_t>(w.key_end - key0, 0, tc));
   };
   const auto head_k = [&](int h) {
     return static_cast<const C*>(p.key_cache) + (w.kv_head + h) * p.k_strides.head;
@@ -415,35 +425,31 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
   const int rph = shape.rows_per_head;
   const int row_bytes = D * static_cast<int>(sizeof(C));
   int cur = 0;
-  k_cursor.take(chunk_keys(w.key_begin), k_off[cur]);
-  v_cursor.take(chunk_keys(w.key_begin), v_off[cur]);
-  for (int64_t key0 = w.key_begin; key0 < w.key_end; key0 += TC, cur ^= 1) {
-    const int n = chunk_keys(key0);
-    const int n_next = chunk_keys(key0 + TC);
+  k_cursor.take(keys_from(w.key_begin), k_off[cur]);
+  v_cursor.take(keys_from(w.key_begin), v_off[cur]);
+  for (int64_t key0 = w.key_begin; key0 < w.key_end; key0 += tc, cur ^= 1) {
+    const int n = keys_from(key0);
+    const int n_next = keys_from(key0 + tc);
     k_cursor.take(n_next, k_off[cur ^ 1]);
     v_cursor.take(n_next, v_off[cur ^ 1]);
-    for (int t = n; t < TC; ++t) k_off[cur][t] = k_off[cur][n - 1];  // logits masked
+    // S for the keys past n (up to the last tile's end): computed from copies, then masked.
+    for (int t = n; t < tc + 8; ++t) k_off[cur][t] = k_off[cur][n - 1];
     for (int h = 0; h < w.kv_heads; ++h) {  // consecutive heads: each block read in one sweep
       const C* k = head_k(h);
       const C* v = head_v(h);
-      for (int t = 0; t < TC; ++t) k_rows[t] = k + k_off[cur][t];
+      for (int t = 0; t < tc + 8; ++t) k_rows[t] = k + k_off[cur][t];
       for (int t = 0; t < n; ++t) v_rows[t] = v + v_off[cur][t];
-      // The next step: the next head of this chunk, or the first of the next chunk.
+      // The next step: the next head of this chunk, or the first one of the next chunk.
       const bool last_head = h + 1 == w.kv_heads;
-      const int nn = last_head ? n_next : n;
-      const int64_t* kn = k_off[last_head ? cur ^ 1 : cur];
-      const int64_t* vn = v_off[last_head ? cur ^ 1 : cur];
+      const int n2 = last_head ? n_next : n;
+      const int64_t* k_off2 = k_off[last_head ? cur ^ 1 : cur];
       const C* k2 = head_k(last_head ? 0 : h + 1);
-      const C* v2 = head_v(last_head ? 0 : h + 1);
-      for (int t = 0; t < nn; ++t) {
-        k_next[t] = k2 + kn[t];
-        v_next[t] = v2 + vn[t];
-      }
-      Ahead<C> k_fetch{k_next, nn, row_bytes}, v_fetch{v_next, nn, row_bytes};
+      for (int t = 0; t < n2; ++t) k_next[t] = k2 + k_off2[t];
+      Ahead<C> v_now{v_rows, n, row_bytes}, k_then{k_next, n2, row_bytes};
       const int r0 = h * rph;
-      qk(sc.q + r0 * D, rph, k_rows, D, sc.s + r0 * TC, k_fetch);
-      softmax_head(p, shape, w, h, key0, n, sc);
-      pv(sc.s + r0 * TC, rph, v_rows, n, D, sc.o + r0 * D, v_fetch);
+      qk(sc.q + r0 * D, rph, k_rows, tc, D, sc.s + r0 * TS, v_now);
+      softmax_head(p, shape, w, h, key0, n, tc, sc);
+      pv(sc.s + r0 * TS, rph, v_rows, n, D, sc.o + r0 * D, k_then);
     }
   }
   for (int r = 0; r < R; ++r) {

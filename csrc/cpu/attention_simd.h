@@ -74,18 +74,6 @@ inline vf fmadd(vf a, vf b, vf c) {
 #endif
 }
 
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
-}
-
-inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
-
 // The horizontal sums of eight vectors, as one vector of 8 floats.
 typedef float vf8 __attribute__((vector_size(32)));
 #if PKV_ISA == 2
@@ -96,6 +84,37 @@ inline __m256 fold8(vf a) {  // the sum of a's two halves
 #elif PKV_ISA == 1
 inline __m256 fold8(vf a) { return a; }
 #endif
+inline float hsum(vf v) {
+#if PKV_ISA >= 1
+  __m256 x = fold8(v);
+  __m128 y = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  y = _mm_add_ps(y, _mm_movehl_ps(y, y));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+#else
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+#endif
+}
+
+inline float hmax(vf v) {
+#if PKV_ISA >= 1
+#if PKV_ISA == 2
+  const __m256 x = _mm256_max_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#else
+  const __m256 x = v;
+#endif
+  __m128 y = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  y = _mm_max_ps(y, _mm_movehl_ps(y, y));
+  return _mm_cvtss_f32(_mm_max_ss(y, _mm_movehdup_ps(y)));
+#else
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+#endif
+}
+
 inline vf8 hsum8(vf a0, vf a1, vf a2, vf a3, vf a4, vf a5, vf a6, vf a7) {
 #if PKV_ISA >= 1
   // After two rounds of hadd, lane j of h0 (h1) holds half of the sum of a_j (a_4+j).
@@ -192,6 +211,25 @@ inline vf vexp(vf x) {
   const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
   const vf y = poly * (vf)two_n;
   return x < -87.f ? splat(0.f) : (x > 88.7f ? splat(__builtin_inff()) : y);
+}
+
+// exp(x) for x <= 0 (or -inf), as vexp: softmax's case, with one clamp and one select less.
+inline vf vexp_nonpositive(vf x) {
+  const vf xc = vmax(x, splat(-87.f));
+  const vf shift = splat(12582912.f);
+  const vf n = fmadd(xc, splat(1.44269504088896341f), shift) - shift;
+  vf r = fmadd(n, splat(-0.693359375f), xc);
+  r = fmadd(n, splat(2.12194440e-4f), r);
+  vf poly = splat(1.9875691500e-4f);
+  poly = fmadd(poly, r, splat(1.3981999507e-3f));
+  poly = fmadd(poly, r, splat(8.3334519073e-3f));
+  poly = fmadd(poly, r, splat(4.1665795894e-2f));
+  poly = fmadd(poly, r, splat(1.6666665459e-1f));
+  poly = fmadd(poly, r, splat(5.0000001201e-1f));
+  poly = fmadd(poly, r * r, r) + 1.f;
+  const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
+  const vf y = poly * (vf)two_n;
+  return x < -87.f ? splat(0.f) : y;
 }
 
 // tanh(x): an odd polynomial near 0, (1 - e) / (1 + e) with e = exp(-2|x|) elsewhere (Cephes).
