@@ -1,15 +1,21 @@
 """Decode attention microbenchmark: pagedkv's paged_attention against two baselines.
 
 Each row (sequences x context, 32 query heads / 8 kv heads, head size 128) reports the median
-time, the K/V bytes read per second, that rate as a fraction of the machine's read bandwidth
-measured just before the row (median torch.sum over 1 GiB: other load on the machine varies),
+time, the K/V bytes read per second, that rate as a fraction of the machine's read bandwidth,
 and the speedup over
   reference   gather each sequence's blocks (pagedkv.reference.gather_kv) + torch SDPA
   contiguous  torch SDPA on a contiguous [seqs, kv_heads, context, head] cache of the same tokens
+Every K/V tensor is allocated as pagedkv.PagedKVCache allocates its caches (pagedkv.cache.zeros_kv:
+on the CPU, backed by huge pages where Linux allows it).
 
     python bench/bench_attention.py [--quick] [--device cpu|cuda]
 
 prints a table and writes bench/results/attention.json.
+
+The bandwidth is measured in the same loop as the op: every call of the op is followed by a
+torch.sum over 256 MiB (8x a 32 MiB L3), and the fraction is the median over those pairs of
+(K/V bytes / op time) / (probe bytes / probe time). Other load on a shared machine then weighs
+on both sides of each ratio alike; the "bw" column is the median probe rate.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 
 import pagedkv
 from pagedkv import reference
+from pagedkv.cache import zeros_kv
 
 ROWS = [(8, 2048), (32, 1024), (1, 16384), (64, 512)]
 BLOCK_SIZES = [16, 32]
@@ -51,18 +58,37 @@ def median_seconds(fn, device: torch.device, min_reps: int, min_time: float) -> 
     return statistics.median(times)
 
 
-def read_bandwidth(x: torch.Tensor, reps: int) -> float:
-    """Bytes per second of torch.sum over x (1 GiB), median of reps."""
-    seconds = median_seconds(lambda: x.sum(), x.device, reps, 0.0)
-    return x.numel() * x.element_size() / seconds
+def paired_with_probe(fn, probe: torch.Tensor, min_reps: int, min_time: float):
+    """Times fn and a torch.sum over probe alternately. Returns the median seconds of fn, the
+    median bytes per second of the probe, and the median over the pairs of 1 / (fn seconds x
+    probe bytes per second): fn's bytes over that, per pair, is its bandwidth fraction."""
+    device = probe.device
+    probe_bytes = probe.numel() * probe.element_size()
+    fn()
+    probe.sum()
+    sync(device)
+    ours, rates, per_pair = [], [], []
+    start = time.perf_counter()
+    while len(ours) < min_reps or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        t1 = time.perf_counter()
+        probe.sum()
+        sync(device)
+        t2 = time.perf_counter()
+        ours.append(t1 - t0)
+        rates.append(probe_bytes / (t2 - t1))
+        per_pair.append(1.0 / ((t1 - t0) * rates[-1]))
+    return statistics.median(ours), statistics.median(rates), statistics.median(per_pair)
 
 
 def make_row(num_seqs: int, seq_len: int, block_size: int, dtype: torch.dtype, device):
     blocks_per_seq = seq_len // block_size
     num_blocks = num_seqs * blocks_per_seq + 1
     shape = (num_blocks, NUM_KV_HEADS, block_size, HEAD_SIZE)
-    key_cache = torch.randn(shape, device=device).to(dtype)
-    value_cache = torch.randn(shape, device=device).to(dtype)
+    key_cache = zeros_kv(shape, dtype, device).normal_()  # allocated as PagedKVCache does
+    value_cache = zeros_kv(shape, dtype, device).normal_()
     table = torch.randperm(num_blocks - 1, device=device)[: num_seqs * blocks_per_seq] + 1
     return dict(
         query=torch.randn(num_seqs, NUM_HEADS, HEAD_SIZE, device=device).to(dtype),
@@ -93,34 +119,34 @@ def reference_fn(row: dict, seq_len: int):
 
 def contiguous_fn(row: dict, seq_len: int):
     num_seqs = row["query"].shape[0]
-    k = torch.randn(num_seqs, NUM_KV_HEADS, seq_len, HEAD_SIZE, device=row["query"].device)
-    k = k.to(row["query"].dtype)
-    v = torch.randn_like(k)
+    shape = (num_seqs, NUM_KV_HEADS, seq_len, HEAD_SIZE)
+    k = zeros_kv(shape, row["query"].dtype, row["query"].device).normal_()
+    v = zeros_kv(shape, row["query"].dtype, row["query"].device).normal_()
     q = row["query"][:, :, None]
     return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
 def run(quick: bool = False, device: str = "cpu") -> list[dict]:
     dev = torch.device(device)
-    ones = torch.ones(2**28, device=dev)  # 1 GiB, summed next to each row: the load may vary
+    probe = torch.ones(2**26, device=dev)  # 256 MiB, summed after every call of the op
     rows = ROWS[:1] + ROWS[2:3] if quick else ROWS
     block_sizes = BLOCK_SIZES[:1] if quick else BLOCK_SIZES
     results = []
     for dtype in DTYPES:
         for num_seqs, seq_len in rows:
             for block_size in block_sizes:
-                bandwidth = read_bandwidth(ones, 3 if quick else 5)
                 row = make_row(num_seqs, seq_len, block_size, dtype, dev)
                 kv_bytes = 2 * row["key_cache"].element_size() * num_seqs * seq_len * \
                     NUM_KV_HEADS * HEAD_SIZE
-                ours = median_seconds(pagedkv_fn(row, seq_len), dev, 5, 0.3 if quick else 1.0)
+                ours, bandwidth, inverse = paired_with_probe(
+                    pagedkv_fn(row, seq_len), probe, 5 if quick else 15, 0.3 if quick else 1.0)
                 ref = median_seconds(reference_fn(row, seq_len), dev, 2, 0.0 if quick else 0.5)
                 cont = median_seconds(contiguous_fn(row, seq_len), dev, 2, 0.0 if quick else 0.5)
                 results.append(dict(
                     dtype=str(dtype).removeprefix("torch."), num_seqs=num_seqs, seq_len=seq_len,
                     block_size=block_size, threads=torch.get_num_threads(), device=device,
                     ms=ours * 1e3, kv_bytes=kv_bytes, gbps=kv_bytes / ours / 1e9,
-                    read_gbps=bandwidth / 1e9, bw_fraction=kv_bytes / ours / bandwidth,
+                    read_gbps=bandwidth / 1e9, bw_fraction=kv_bytes * inverse,
                     reference_ms=ref * 1e3, contiguous_sdpa_ms=cont * 1e3,
                     speedup_reference=ref / ours, speedup_contiguous=cont / ours,
                 ))
@@ -131,8 +157,8 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
 def print_table(results: list[dict]) -> None:
     if not results:
         return
-    print(f"{results[0]['threads']} threads, {results[0]['device']}; bw: torch.sum over 1 GiB "
-          "just before the row")
+    print(f"{results[0]['threads']} threads, {results[0]['device']}; bw: torch.sum over 256 MiB "
+          "after every call (median); of bw: median over those pairs")
     head = (f"{'dtype':>9} {'seqs x ctx':>11} {'bs':>3} {'ms':>8} {'GB/s':>6} {'bw':>5} "
             f"{'of bw':>6} {'ref ms':>8} {'x ref':>6} {'sdpa ms':>8} {'x sdpa':>6}")
     print(head)

@@ -1,7 +1,10 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from pagedkv.cache import PagedKVCache
+from pagedkv.cache import PagedKVCache, _advise_huge_pages, zeros_kv
 from pagedkv.spec import KVCacheSpec
 
 
@@ -80,3 +83,16 @@ def test_copy_and_swap_blocks_move_every_layer():
                         host.key_caches + host.value_caches, strict=True):
         assert torch.equal(src[5], src[1]) and torch.equal(src[3], src[2])
         assert torch.equal(dst[0], src[1])
+
+
+def test_zeros_kv_is_zeroed_and_backed_by_huge_pages_where_linux_allows():
+    # Filled with garbage first, so that a fresh tensor at the same address shows any unzeroed
+    # element.
+    torch.full((4 << 20,), 7.0).sum()
+    t = zeros_kv((33, 2, 16, 128), torch.bfloat16)  # 2.1 MB: at least one whole 2 MiB page
+    assert t.shape == (33, 2, 16, 128) and t.dtype == torch.bfloat16 and not t.any()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if sys.platform.startswith("linux") and thp.exists():
+        big = torch.empty(8 << 20, dtype=torch.uint8)  # whole 2 MiB pages inside it
+        assert _advise_huge_pages(big)
+    assert not _advise_huge_pages(torch.empty(16))  # no whole huge page inside
