@@ -362,19 +362,61 @@ inline void softmax_row(const PagedAttentionParams& p, Visible vis, float slope,
 }
 
 // Softmax of the rows of kv head h (of the item) for the chunk of n <= tc keys from key0.
+// softmax_row for NR rows (stride TS) that see every key of a full chunk, with no soft cap and
+// no ALiBi (decode's common case), interleaved so that the rows' dependency chains (max, exp,
+// sum) overlap.
+template <int NR>
+inline void softmax_rows_plain(int tc, float* s, float* o, int D, float* m, float* l) {
+  float m_new[NR];
+#pragma GCC unroll 4
+  for (int i = 0; i < NR; ++i) {
+    vf mx = load(s + i * TS);
+    for (int t = W; t < tc; t += W) mx = vmax(mx, load(s + i * TS + t));
+    m_new[i] = std::max(m[i], hmax(mx));
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < NR; ++i) {
+    if (m_new[i] != m[i]) {  // rescale what was accumulated (nothing yet when m = -inf)
+      const float correction = std::exp(m[i] - m_new[i]);
+      l[i] *= correction;
+      for (int d = 0; d < D; d += W) store(o + i * D + d, load(o + i * D + d) * correction);
+      m[i] = m_new[i];
+    }
+  }
+  vf sum[NR];
+#pragma GCC unroll 4
+  for (int i = 0; i < NR; ++i) sum[i] = splat(0.f);
+  for (int t = 0; t < tc; t += W) {
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) {
+      const vf e = vexp_nonpositive(load(s + i * TS + t) - splat(m_new[i]));
+      store(s + i * TS + t, e);
+      sum[i] += e;
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < NR; ++i) l[i] += hsum(sum[i]);
+}
+
+// Softmax of the rows of kv head h (of the item) for the chunk of n <= tc keys from key0.
 inline void softmax_head(const PagedAttentionParams& p, const ItemShape& shape,
                          const WorkItem& w, int h, int64_t key0, int n, int tc,
                          const Scratch& sc) {
+  const int D = p.head_size;
   int r = h * shape.rows_per_head;
   for (int qi = 0; qi < w.q_count; ++qi) {
     const int32_t qpos = shape.qpos0 + qi;
     const Visible vis = visible(p, qpos, key0, n);
+    int g = 0;
+    if (vis.a == 0 && vis.b == tc && p.soft_cap == 0.f && !p.alibi_slopes) {
+      for (; g + 4 <= shape.group; g += 4, r += 4)
+        softmax_rows_plain<4>(tc, sc.s + r * TS, sc.o + r * D, D, sc.m + r, sc.l + r);
+    }
     const float rel0 = static_cast<float>(key0 - qpos);
     const int32_t head = shape.head0 + h * shape.group;
-    for (int g = 0; g < shape.group; ++g, ++r) {
+    for (; g < shape.group; ++g, ++r) {
       const float slope = p.alibi_slopes ? p.alibi_slopes[head + g] : 0.f;
-      softmax_row(p, vis, slope, rel0, tc, sc.s + r * TS, sc.o + r * p.head_size, sc.m[r],
-                  sc.l[r]);
+      softmax_row(p, vis, slope, rel0, tc, sc.s + r * TS, sc.o + r * D, sc.m[r], sc.l[r]);
     }
   }
 }
