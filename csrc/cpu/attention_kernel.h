@@ -112,16 +112,26 @@ struct RowCursor {
 };
 
 // ---- S = Q K^T ----------------------------------------------------------------------------
+// S is stored per kv head as R rows of TS floats (kRows: s[r * TS + t]) or, in plain decode with
+// whole groups of 4 query heads, as quads of 4 rows interleaved key by key (kQuads: quad q's
+// s[q * 4 * TS + t * 4 + i] is row 4q + i): a tile's 12 dot products are then stored as two
+// vectors, and the softmax of 4 rows runs on whole vectors.
+enum class Layout { kRows, kQuads };
+
 // K rows are read straight from the cache and converted in registers. A tile is RB query rows
 // x TB keys with RB * TB = 8 accumulators (8 independent FMA chains, and every K element loaded
 // once per RB rows); its 8 dot products are reduced together by one hsum8. Every loop over a
 // tile's registers is unrolled, so that the accumulators live in registers.
 
 // s[r * TS + t] = q_r . k_t for RB rows of q (row stride D) and TB keys; RB * TB is 8 or 12.
-template <int RB, int TB, typename C>
+// With kQuads (RB = 4), s points at key t's 4 floats.
+template <int RB, int TB, Layout L, typename C>
 [[gnu::always_inline]] inline void qk_tile(const float* q, const C* const* k, int D, float* s) {
   constexpr int N = RB * TB;
   static_assert(N == 8 || N == 12);
+  static_assert(L == Layout::kRows || RB == 4);
+  // The accumulator of (row r, key t): key-major for quads, so the sums come out in S's order.
+  constexpr auto at = [](int r, int t) { return L == Layout::kQuads ? t * RB + r : r * TB + t; };
   vf acc[N];
 #pragma GCC unroll 12
   for (int i = 0; i < N; ++i) acc[i] = splat(0.f);
@@ -134,8 +144,17 @@ template <int RB, int TB, typename C>
       vf qv = load(q + r * D + d);
       if constexpr (TB > 1) in_register(qv);  // one load for TB FMAs, not one each
 #pragma GCC unroll 8
-      for (int t = 0; t < TB; ++t) acc[r * TB + t] = fmadd(qv, kv[t], acc[r * TB + t]);
+      for (int t = 0; t < TB; ++t) acc[at(r, t)] = fmadd(qv, kv[t], acc[at(r, t)]);
     }
+  }
+  if constexpr (L == Layout::kQuads) {
+    const vf8 lo = hsum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]);
+    std::memcpy(s, &lo, sizeof lo);
+    if constexpr (N == 12) {
+      const vf4 hi = hsum4(acc[8], acc[9], acc[10], acc[11]);
+      std::memcpy(s + 8, &hi, sizeof hi);
+    }
+    return;
   }
   float sums[N];
   const vf8 lo = hsum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]);
@@ -170,30 +189,33 @@ struct Ahead {
 
 // RB rows x tc keys: tiles of TB keys, then one of 8 / RB keys for the rest (tc is a multiple
 // of 16; k holds tc + 8 / RB rows).
-template <int RB, int TB, typename C>
+template <int RB, int TB, Layout L, typename C>
 void qk_rows(const float* q, const C* const* k, int tc, int D, float* s, Ahead<C>* ahead) {
+  constexpr int key_stride = L == Layout::kQuads ? 4 : 1;
   int t = 0;
   for (; t + TB <= tc; t += TB) {
-    qk_tile<RB, TB>(q, k + t, D, s + t);
+    qk_tile<RB, TB, L>(q, k + t, D, s + t * key_stride);
     if (ahead) ahead->fetch(t + TB, tc);
   }
-  if (t < tc) qk_tile<RB, 8 / RB>(q, k + t, D, s + t);
+  if (t < tc) qk_tile<RB, 8 / RB, L>(q, k + t, D, s + t * key_stride);
 }
 
 // All R rows x tc keys. The rows of k past the chunk's keys are copies of valid rows; their
 // logits are masked by softmax_row.
-template <typename C>
+template <Layout L, typename C>
 void qk(const float* q, int R, const C* const* k, int tc, int D, float* s, Ahead<C>& ahead) {
   int r = 0;
   Ahead<C>* fetch = &ahead;  // prefetch with the first rows
   for (; r + 4 <= R; r += 4, fetch = nullptr)
-    qk_rows<4, 3>(q + r * D, k, tc, D, s + r * TS, fetch);
-  if (R - r >= 2) {
-    qk_rows<2, 4>(q + r * D, k, tc, D, s + r * TS, fetch);
-    r += 2;
-    fetch = nullptr;
+    qk_rows<4, 3, L>(q + r * D, k, tc, D, s + r * TS, fetch);
+  if constexpr (L == Layout::kRows) {
+    if (R - r >= 2) {
+      qk_rows<2, 4, L>(q + r * D, k, tc, D, s + r * TS, fetch);
+      r += 2;
+      fetch = nullptr;
+    }
+    if (R - r == 1) qk_rows<1, 8, L>(q + r * D, k, tc, D, s + r * TS, fetch);
   }
-  if (R - r == 1) qk_rows<1, 8>(q + r * D, k, tc, D, s + r * TS, fetch);
   ahead.fetch(1, 1);
 }
 
@@ -234,7 +256,7 @@ void unpair(float* row, int D) {
 
 // o[r][d0, d0 + NV * W) += sum_t p[r * TS + t] v_t[d0, ..) for RB rows (o row stride D), with
 // RB * NV <= 8 accumulators.
-template <int RB, int NV, typename C>
+template <int RB, int NV, Layout L, typename C>
 [[gnu::always_inline]] inline void pv_tile(const float* p, const C* const* v, int n, int d0,
                                            int D, float* o) {
   static_assert(RB * NV <= 8);
@@ -248,7 +270,7 @@ template <int RB, int NV, typename C>
     load_columns<NV>(v[t] + d0, vv);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      const vf pr = splat(p[r * TS + t]);
+      const vf pr = splat(L == Layout::kQuads ? p[t * 4 + r] : p[r * TS + t]);
 #pragma GCC unroll 8
       for (int j = 0; j < NV; ++j) acc[r * NV + j] = fmadd(pr, vv[j], acc[r * NV + j]);
     }
@@ -261,31 +283,32 @@ template <int RB, int NV, typename C>
 
 // RB rows over all D columns: NV = 8 / RB vectors at a time, then 2 (keeping the pair order
 // of every whole group of 2W columns), then 1.
-template <int RB, typename C>
+template <int RB, Layout L, typename C>
 void pv_rows(const float* p, const C* const* v, int n, int D, float* o, Ahead<C>* ahead) {
   constexpr int NV = 8 / RB;
   int d = 0;
   for (; d + NV * W <= D; d += NV * W) {
-    pv_tile<RB, NV>(p, v, n, d, D, o);
+    pv_tile<RB, NV, L>(p, v, n, d, D, o);
     if (ahead) ahead->fetch(d + NV * W, D);
   }
   if constexpr (NV > 2) {
-    for (; d + 2 * W <= D; d += 2 * W) pv_tile<RB, 2>(p, v, n, d, D, o);
+    for (; d + 2 * W <= D; d += 2 * W) pv_tile<RB, 2, L>(p, v, n, d, D, o);
   }
-  for (; d < D; d += W) pv_tile<RB, 1>(p, v, n, d, D, o);
+  for (; d < D; d += W) pv_tile<RB, 1, L>(p, v, n, d, D, o);
 }
 
-template <typename C>
+template <Layout L, typename C>
 void pv(const float* p, int R, const C* const* v, int n, int D, float* o, Ahead<C>& ahead) {
   int r = 0;
   Ahead<C>* fetch = &ahead;  // prefetch with the first rows
-  for (; r + 4 <= R; r += 4, fetch = nullptr) pv_rows<4>(p + r * TS, v, n, D, o + r * D, fetch);
+  for (; r + 4 <= R; r += 4, fetch = nullptr)
+    pv_rows<4, L>(p + r * TS, v, n, D, o + r * D, fetch);
   if (R - r >= 2) {
-    pv_rows<2>(p + r * TS, v, n, D, o + r * D, fetch);
+    pv_rows<2, L>(p + r * TS, v, n, D, o + r * D, fetch);
     r += 2;
     fetch = nullptr;
   }
-  if (R - r == 1) pv_rows<1>(p + r * TS, v, n, D, o + r * D, fetch);
+  if (R - r == 1) pv_rows<1, L>(p + r * TS, v, n, D, o + r * D, fetch);
   ahead.fetch(1, 1);
 }
 
@@ -362,59 +385,61 @@ inline void softmax_row(const PagedAttentionParams& p, Visible vis, float slope,
 }
 
 // Softmax of the rows of kv head h (of the item) for the chunk of n <= tc keys from key0.
-// softmax_row for NR rows (stride TS) that see every key of a full chunk, with no soft cap and
-// no ALiBi (decode's common case), interleaved so that the rows' dependency chains (max, exp,
-// sum) overlap.
-template <int NR>
-inline void softmax_rows_plain(int tc, float* s, float* o, int D, float* m, float* l) {
-  float m_new[NR];
-#pragma GCC unroll 4
-  for (int i = 0; i < NR; ++i) {
-    vf mx = load(s + i * TS);
-    for (int t = W; t < tc; t += W) mx = vmax(mx, load(s + i * TS + t));
-    m_new[i] = std::max(m[i], hmax(mx));
+// softmax_row for a quad (4 rows, key-interleaved; see Layout) of tc logits each, in plain
+// decode: no soft cap, no ALiBi, keys [0, n) visible.
+inline void softmax_quad(int n, int tc, float* s, float* o, int D, float* m, float* l) {
+  vf mx = splat(kNegInf);
+  for (int j = 0; j < 4 * tc; j += W) {
+    vf x = load(s + j);
+    if (n < tc) {  // the last chunk: keys past n masked
+      x = (iota() + j) >> 2 < n ? x : splat(kNegInf);
+      store(s + j, x);
+    }
+    mx = vmax(mx, x);
   }
-#pragma GCC unroll 4
-  for (int i = 0; i < NR; ++i) {
-    if (m_new[i] != m[i]) {  // rescale what was accumulated (nothing yet when m = -inf)
-      const float correction = std::exp(m[i] - m_new[i]);
+  vf shift;  // lane j: row j % 4's new max
+  for (int i = 0; i < 4; ++i) {
+    float row_max = mx[i];
+    for (int j = i + 4; j < W; j += 4) row_max = std::max(row_max, mx[j]);
+    if (row_max > m[i]) {  // rescale what was accumulated (nothing yet when m = -inf)
+      const float correction = std::exp(m[i] - row_max);
       l[i] *= correction;
       for (int d = 0; d < D; d += W) store(o + i * D + d, load(o + i * D + d) * correction);
-      m[i] = m_new[i];
+      m[i] = row_max;
     }
+    for (int j = i; j < W; j += 4) shift[j] = m[i];
   }
-  vf sum[NR];
-#pragma GCC unroll 4
-  for (int i = 0; i < NR; ++i) sum[i] = splat(0.f);
-  for (int t = 0; t < tc; t += W) {
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; ++i) {
-      const vf e = vexp_nonpositive(load(s + i * TS + t) - splat(m_new[i]));
-      store(s + i * TS + t, e);
-      sum[i] += e;
-    }
+  vf sum = splat(0.f);
+  for (int j = 0; j < 4 * tc; j += W) {
+    const vf e = vexp_nonpositive(load(s + j) - shift);
+    store(s + j, e);
+    sum += e;
   }
-#pragma GCC unroll 4
-  for (int i = 0; i < NR; ++i) l[i] += hsum(sum[i]);
+  for (int i = 0; i < 4; ++i) {
+    float row_sum = 0.f;
+    for (int j = i; j < W; j += 4) row_sum += sum[j];
+    l[i] += row_sum;
+  }
 }
 
 // Softmax of the rows of kv head h (of the item) for the chunk of n <= tc keys from key0.
+template <Layout L>
 inline void softmax_head(const PagedAttentionParams& p, const ItemShape& shape,
                          const WorkItem& w, int h, int64_t key0, int n, int tc,
                          const Scratch& sc) {
   const int D = p.head_size;
   int r = h * shape.rows_per_head;
+  if constexpr (L == Layout::kQuads) {
+    for (const int end = r + shape.rows_per_head; r < end; r += 4)
+      softmax_quad(n, tc, sc.s + r * TS, sc.o + r * D, D, sc.m + r, sc.l + r);
+    return;
+  }
   for (int qi = 0; qi < w.q_count; ++qi) {
     const int32_t qpos = shape.qpos0 + qi;
     const Visible vis = visible(p, qpos, key0, n);
-    int g = 0;
-    if (vis.a == 0 && vis.b == tc && p.soft_cap == 0.f && !p.alibi_slopes) {
-      for (; g + 4 <= shape.group; g += 4, r += 4)
-        softmax_rows_plain<4>(tc, sc.s + r * TS, sc.o + r * D, D, sc.m + r, sc.l + r);
-    }
     const float rel0 = static_cast<float>(key0 - qpos);
     const int32_t head = shape.head0 + h * shape.group;
-    for (; g < shape.group; ++g, ++r) {
+    for (int g = 0; g < shape.group; ++g, ++r) {
       const float slope = p.alibi_slopes ? p.alibi_slopes[head + g] : 0.f;
       softmax_row(p, vis, slope, rel0, tc, sc.s + r * TS, sc.o + r * D, sc.m[r], sc.l[r]);
     }
@@ -466,6 +491,12 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
   };
   const int rph = shape.rows_per_head;
   const int row_bytes = D * static_cast<int>(sizeof(C));
+  // Plain decode in whole groups of 4 query heads: S in quads (see Layout). (A window that
+  // reaches back past the item's first key changes nothing.)
+  const bool no_window =
+      p.sliding_window <= 0 || int64_t{shape.qpos0} - p.sliding_window + 1 <= w.key_begin;
+  const bool quads = w.q_count == 1 && rph % 4 == 0 && p.soft_cap == 0.f && !p.alibi_slopes &&
+                     no_window;
   int cur = 0;
   k_cursor.take(keys_from(w.key_begin), k_off[cur]);
   v_cursor.take(keys_from(w.key_begin), v_off[cur]);
@@ -489,9 +520,15 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
       for (int t = 0; t < n2; ++t) k_next[t] = k2 + k_off2[t];
       Ahead<C> v_now{v_rows, n, row_bytes}, k_then{k_next, n2, row_bytes};
       const int r0 = h * rph;
-      qk(sc.q + r0 * D, rph, k_rows, tc, D, sc.s + r0 * TS, v_now);
-      softmax_head(p, shape, w, h, key0, n, tc, sc);
-      pv(sc.s + r0 * TS, rph, v_rows, n, D, sc.o + r0 * D, k_then);
+      if (quads) {
+        qk<Layout::kQuads>(sc.q + r0 * D, rph, k_rows, tc, D, sc.s + r0 * TS, v_now);
+        softmax_head<Layout::kQuads>(p, shape, w, h, key0, n, tc, sc);
+        pv<Layout::kQuads>(sc.s + r0 * TS, rph, v_rows, n, D, sc.o + r0 * D, k_then);
+      } else {
+        qk<Layout::kRows>(sc.q + r0 * D, rph, k_rows, tc, D, sc.s + r0 * TS, v_now);
+        softmax_head<Layout::kRows>(p, shape, w, h, key0, n, tc, sc);
+        pv<Layout::kRows>(sc.s + r0 * TS, rph, v_rows, n, D, sc.o + r0 * D, k_then);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {

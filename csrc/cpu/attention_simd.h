@@ -115,7 +115,9 @@ inline float hmax(vf v) {
 #endif
 }
 
-inline vf8 hsum8(vf a0, vf a1, vf a2, vf a3, vf a4, vf a5, vf a6, vf a7) {
+// Always inlined: a 32-byte vector returned by a real call warns (-Wpsabi) in the base build.
+[[gnu::always_inline]] inline vf8 hsum8(vf a0, vf a1, vf a2, vf a3, vf a4, vf a5, vf a6,
+                                        vf a7) {
 #if PKV_ISA >= 1
   // After two rounds of hadd, lane j of h0 (h1) holds half of the sum of a_j (a_4+j).
   const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(fold8(a0), fold8(a1)),
