@@ -196,12 +196,11 @@ constexpr float cache_factor() {
   return std::is_same_v<T, e4m3_t> ? 256.f : 1.f;
 }
 
-// exp(x), relative error ~2 ulp; 0 below -87 (and for -inf), +inf above 88.7.
-inline vf vexp(vf x) {
-  const vf xc = x > 88.7f ? splat(88.7f) : (x < -87.f ? splat(-87.f) : x);
+// exp(xc) for xc in [-87, 88.7], relative error ~2 ulp (Cephes).
+inline vf exp_in_range(vf xc) {
   const vf shift = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
   const vf n = fmadd(xc, splat(1.44269504088896341f), shift) - shift;
-  vf r = fmadd(n, splat(-0.693359375f), xc);  // r = x - n ln2, in two parts (Cephes)
+  vf r = fmadd(n, splat(-0.693359375f), xc);  // r = x - n ln2, in two parts
   r = fmadd(n, splat(2.12194440e-4f), r);
   vf poly = splat(1.9875691500e-4f);
   poly = fmadd(poly, r, splat(1.3981999507e-3f));
@@ -211,26 +210,18 @@ inline vf vexp(vf x) {
   poly = fmadd(poly, r, splat(5.0000001201e-1f));
   poly = fmadd(poly, r * r, r) + 1.f;
   const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
-  const vf y = poly * (vf)two_n;
+  return poly * (vf)two_n;
+}
+
+// exp(x): 0 below -87 (and for -inf), +inf above 88.7.
+inline vf vexp(vf x) {
+  const vf y = exp_in_range(x > 88.7f ? splat(88.7f) : (x < -87.f ? splat(-87.f) : x));
   return x < -87.f ? splat(0.f) : (x > 88.7f ? splat(__builtin_inff()) : y);
 }
 
-// exp(x) for x <= 0 (or -inf), as vexp: softmax's case, with one clamp and one select less.
+// exp(x) for x <= 0 (or -inf): softmax's case, one clamp and one select less than vexp.
 inline vf vexp_nonpositive(vf x) {
-  const vf xc = vmax(x, splat(-87.f));
-  const vf shift = splat(12582912.f);
-  const vf n = fmadd(xc, splat(1.44269504088896341f), shift) - shift;
-  vf r = fmadd(n, splat(-0.693359375f), xc);
-  r = fmadd(n, splat(2.12194440e-4f), r);
-  vf poly = splat(1.9875691500e-4f);
-  poly = fmadd(poly, r, splat(1.3981999507e-3f));
-  poly = fmadd(poly, r, splat(8.3334519073e-3f));
-  poly = fmadd(poly, r, splat(4.1665795894e-2f));
-  poly = fmadd(poly, r, splat(1.6666665459e-1f));
-  poly = fmadd(poly, r, splat(5.0000001201e-1f));
-  poly = fmadd(poly, r * r, r) + 1.f;
-  const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
-  const vf y = poly * (vf)two_n;
+  const vf y = exp_in_range(vmax(x, splat(-87.f)));
   return x < -87.f ? splat(0.f) : y;
 }
 
