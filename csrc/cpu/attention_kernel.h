@@ -342,6 +342,15 @@ inline Visible visible(const PagedAttentionParams& p, int32_t qpos, int64_t key0
           static_cast<int>(std::clamp<int64_t>(int64_t{qpos} + 1 - key0, 0, n))};
 }
 
+// A row's running max m grows to m_new (> m): its sum l and accumulator o (D floats) are
+// rescaled by e^(m - m_new) (0 while nothing is accumulated, m = -inf).
+inline void raise_max(float m_new, float& m, float& l, float* o, int D) {
+  const float correction = std::exp(m - m_new);
+  l *= correction;
+  for (int d = 0; d < D; d += W) store(o + d, load(o + d) * correction);
+  m = m_new;
+}
+
 // Turns a row's tc logits s (of the keys from key position - query position = rel0 on) into
 // probabilities relative to the running max m (updated): keys outside vis get 0. Adds their sum
 // to l and rescales the row's accumulator o (D floats) when the max grows.
@@ -367,13 +376,8 @@ inline void softmax_row(const PagedAttentionParams& p, Visible vis, float slope,
       mx = vmax(mx, x);
     }
   }
-  const float m_new = std::max(m, hmax(mx));
-  if (m_new != m) {  // rescale what was accumulated (nothing yet when m = -inf)
-    const float correction = std::exp(m - m_new);
-    l *= correction;
-    for (int d = 0; d < p.head_size; d += W) store(o + d, load(o + d) * correction);
-    m = m_new;
-  }
+  const float row_max = hmax(mx);
+  if (row_max > m) raise_max(row_max, m, l, o, p.head_size);
   const vf shift = splat(m);
   vf sum = splat(0.f);
   for (int t = 0; t < tc; t += W) {
@@ -384,7 +388,6 @@ inline void softmax_row(const PagedAttentionParams& p, Visible vis, float slope,
   l += hsum(sum);
 }
 
-// Softmax of the rows of kv head h (of the item) for the chunk of n <= tc keys from key0.
 // softmax_row for a quad (4 rows, key-interleaved; see Layout) of tc logits each, in plain
 // decode: no soft cap, no ALiBi, keys [0, n) visible.
 inline void softmax_quad(int n, int tc, float* s, float* o, int D, float* m, float* l) {
@@ -401,12 +404,7 @@ inline void softmax_quad(int n, int tc, float* s, float* o, int D, float* m, flo
   for (int i = 0; i < 4; ++i) {
     float row_max = mx[i];
     for (int j = i + 4; j < W; j += 4) row_max = std::max(row_max, mx[j]);
-    if (row_max > m[i]) {  // rescale what was accumulated (nothing yet when m = -inf)
-      const float correction = std::exp(m[i] - row_max);
-      l[i] *= correction;
-      for (int d = 0; d < D; d += W) store(o + i * D + d, load(o + i * D + d) * correction);
-      m[i] = row_max;
-    }
+    if (row_max > m[i]) raise_max(row_max, m[i], l[i], o + i * D, D);
     for (int j = i; j < W; j += 4) shift[j] = m[i];
   }
   vf sum = splat(0.f);
