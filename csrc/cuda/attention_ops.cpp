@@ -28,17 +28,7 @@ int sm_count(c10::DeviceIndex device) {
   return n;
 }
 
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const c10::optional<at::Tensor>& query_start_loc,
-                     int64_t max_seq_len, int64_t max_query_len, double scale,
-                     const c10::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                     double soft_cap, const c10::optional<at::Tensor>& k_scale,
-                     const c10::optional<at::Tensor>& v_scale,
-                     const c10::optional<at::Tensor>& lse_out) {
-  const PagedAttentionParams p = paged_attention_params(
-      out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_seq_len,
-      max_query_len, scale, alibi_slopes, sliding_window, soft_cap, k_scale, v_scale, lse_out);
+void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   check_attention_kernel_exists(p, "cuda");
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor workspace;
@@ -47,11 +37,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   C10_CUDA_CHECK(cuda::paged_attention(p, plan, c10::cuda::getCurrentCUDAStream()));
 }
 
-void merge_attn_states(at::Tensor& out, const c10::optional<at::Tensor>& out_lse,
-                       const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
-                       const at::Tensor& suffix_out, const at::Tensor& suffix_lse) {
-  const MergeAttnParams p =
-      merge_attn_states_params(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse);
+void merge_attn_states(const MergeAttnParams& p, const at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(out.device());
   C10_CUDA_CHECK(cuda::merge_attn_states(p, c10::cuda::getCurrentCUDAStream()));
 }
@@ -59,8 +45,8 @@ void merge_attn_states(at::Tensor& out, const c10::optional<at::Tensor>& out_lse
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
-  m.impl("paged_attention", &paged_attention);
-  m.impl("merge_attn_states", &merge_attn_states);
+  m.impl("paged_attention", &paged_attention_op<&paged_attention>);
+  m.impl("merge_attn_states", &merge_attn_states_op<&merge_attn_states>);
 }
 
 }  // namespace pagedkv

@@ -247,4 +247,31 @@ inline MergeAttnParams merge_attn_states_params(const at::Tensor& out,
   return p;
 }
 
+// The ops as registered by every backend, with the schemas' signatures (csrc/schemas.h): the
+// inputs are validated into params here, then Run(params, query) (or Run(params, out)) does the
+// backend's part. Each backend registers paged_attention_op<its_run>.
+template <void (*Run)(const PagedAttentionParams&, const at::Tensor& query)>
+void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens,
+                        const c10::optional<at::Tensor>& query_start_loc, int64_t max_seq_len,
+                        int64_t max_query_len, double scale,
+                        const c10::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                        double soft_cap, const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale,
+                        const c10::optional<at::Tensor>& lse_out) {
+  Run(paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
+                             query_start_loc, max_seq_len, max_query_len, scale, alibi_slopes,
+                             sliding_window, soft_cap, k_scale, v_scale, lse_out),
+      query);
+}
+
+template <void (*Run)(const MergeAttnParams&, const at::Tensor& out)>
+void merge_attn_states_op(at::Tensor& out, const c10::optional<at::Tensor>& out_lse,
+                          const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
+                          const at::Tensor& suffix_out, const at::Tensor& suffix_lse) {
+  Run(merge_attn_states_params(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse),
+      out);
+}
+
 }  // namespace pagedkv
