@@ -78,3 +78,70 @@ def test_rejects_bad_input(backend, case):
     with pytest.raises(RuntimeError, match=message):
         backend.ops.swap_blocks(*args)
     assert_same_bits(args[1], before)
+
+
+# Views of one storage: pairs run concurrently, so overlap is judged on the bytes each block
+# occupies, not on block ids. A [8, 2, 4, 8] cache holds 64 elements per block.
+def _as_blocks(flat: torch.Tensor, offset: int, num_blocks: int, stride: int = 64) -> torch.Tensor:
+    return flat.as_strided((num_blocks, 2, 4, 8), (stride, 32, 8, 1), offset)
+
+
+OVERLAP_CASES = {
+    "same tensor": (lambda c: (c, c, mapping([(0, 1), (1, 2)])),
+                    "block_mapping uses block 1 both as a source and as a destination"),
+    "full view": (lambda c: (c, c[:], mapping([(0, 1), (1, 2)])),
+                  r"block_mapping\[0\] writes destination block 1, which overlaps source block 1"),
+    "same block": (lambda c: (c, c.view(8, 2, 4, 8), mapping([(3, 3)])),
+                   r"block_mapping\[0\] writes destination block 3, which overlaps source block 3"),
+    "shifted dst": (lambda c: (c, c[1:], mapping([(0, 0), (1, 2)])),
+                    r"block_mapping\[0\] writes destination block 0, which overlaps source block 1"
+                    r" of block_mapping\[1\]"),
+    "shifted src": (lambda c: (c[1:], c, mapping([(0, 0), (2, 3)])),
+                    r"block_mapping\[1\] writes destination block 3, which overlaps source"
+                    r" block 2"),
+    "half-block offset": (lambda c: (c, _as_blocks(c.flatten(), 32, 7), mapping([(4, 6), (1, 0)])),
+                          r"block_mapping\[1\] writes destination block 0, which overlaps source"
+                          r" block 1"),
+    "overlapping dsts": (lambda c: (c[:4], _as_blocks(torch.zeros_like(c).flatten(), 0, 4, 32),
+                                    mapping([(0, 0), (1, 1)])),
+                         r"block_mapping\[0\] and block_mapping\[1\] write destination blocks 0"
+                         r" and 1, which overlap"),
+}
+
+
+@pytest.mark.parametrize("case", OVERLAP_CASES)
+def test_rejects_overlapping_views(backend, case):
+    cache, _ = make_caches("hnd", 8, 2, 4, 8, torch.float16, backend.device)
+    mutate, message = OVERLAP_CASES[case]
+    src, dst, block_mapping = mutate(cache)
+    before = [cache.clone(), dst.clone()]
+    with pytest.raises(RuntimeError, match=message):
+        backend.ops.swap_blocks(src, dst, block_mapping)
+    assert_same_bits(cache, before[0])
+    assert_same_bits(dst, before[1])
+
+
+@pytest.mark.parametrize("direction", ["k_to_v", "v_to_k"])
+def test_kv_views_of_one_cache(backend, direction):
+    k, v = make_caches("combined", 6, 2, 16, 24, torch.bfloat16, backend.device)
+    src, dst = (k, v) if direction == "k_to_v" else (v, k)
+    src_before = src.clone()
+    # Block 0 of K and block 0 of V share a storage and an id but never a byte.
+    check_swap(backend, src, dst, mapping([(0, 0), (1, 2), (5, 1), (2, 5)]))
+    assert_same_bits(src, src_before)
+
+
+DISJOINT_VIEWS = {
+    "halves": (lambda c: (c[:4], c[4:]), [(0, 0), (3, 1), (1, 3)]),
+    "full view": (lambda c: (c, c[:]), [(0, 1), (2, 3), (0, 4)]),
+    "shifted dst": (lambda c: (c, c[1:]), [(0, 0), (6, 4), (7, 2)]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", DISJOINT_VIEWS)
+def test_disjoint_views_of_one_storage(backend, layout, case):
+    cache, _ = make_caches(layout, 8, 2, 16, 24, torch.float16, backend.device)
+    views, pairs = DISJOINT_VIEWS[case]
+    src, dst = views(cache)
+    check_swap(backend, src, dst, mapping(pairs))

@@ -14,6 +14,7 @@ from pagedkv.ops import (
     reshape_and_cache,
     swap_blocks,
 )
+from pagedkv.plan import CachePlan, PlanExecutor, cpu_cache_for
 from pagedkv.prefix import PrefixCache
 from pagedkv.spec import KVCacheSpec
 
@@ -23,10 +24,13 @@ __all__ = [
     "BatchTensors",
     "BlockAllocator",
     "BlockManager",
+    "CachePlan",
     "KVCacheSpec",
     "PagedKVCache",
+    "PlanExecutor",
     "PrefixCache",
     "copy_blocks",
+    "cpu_cache_for",
     "merge_attn_states",
     "ops",
     "paged_attention",

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 
+from . import checks
 from .errors import DoubleFreeError, InvalidBlockError, OutOfBlocksError
 
 __all__ = ["NULL_BLOCK", "BlockAllocator"]
@@ -35,9 +36,14 @@ class BlockAllocator:
     ``ref_counts[b]`` is block b's reference count (read it; change it through the methods).
     ``on_evict(block_id)`` is called when an evictable block is reclaimed (the prefix cache uses it
     to forget the block's hash).
+
+    Every method checks its arguments and either does all of its work or raises (an
+    InvalidArgumentError, InvalidBlockError, DoubleFreeError or OutOfBlocksError) with the pool
+    exactly as it was. Not thread-safe: one owner calls it (see BlockManager).
     """
 
     def __init__(self, num_blocks: int, reserve_null_block: bool = False, name: str = "device"):
+        num_blocks = checks.count(num_blocks, "num_blocks")
         first = 1 if reserve_null_block else 0
         if num_blocks <= first:
             raise ValueError(f"BlockAllocator needs more than {first} blocks, got {num_blocks}")
@@ -86,8 +92,8 @@ class BlockAllocator:
         Free blocks go first, then evictable ones, least recently freed first.
         Raises OutOfBlocksError, changing nothing, when fewer are available.
         """
-        if num_blocks < 0:
-            raise ValueError(f"cannot allocate {num_blocks} blocks")
+        if type(num_blocks) is not int or num_blocks < 0:
+            num_blocks = checks.count(num_blocks, "num_blocks")
         if num_blocks > len(self._free) + len(self._evictable):
             raise OutOfBlocksError(num_blocks, self.num_available_blocks, self.name)
         free = self._free
@@ -152,7 +158,7 @@ class BlockAllocator:
     def _check_releasable(self, blocks: list[int]) -> None:
         counts, size, null = self.ref_counts, self.num_blocks, self.null_block
         for block in blocks:
-            if not 0 <= block < size or block == null or not counts[block]:
+            if type(block) is not int or not 0 <= block < size or block == null or not counts[block]:
                 break
         else:
             if len(blocks) < 2 or len(set(blocks)) == len(blocks):
@@ -168,6 +174,9 @@ class BlockAllocator:
                 )
 
     def _check_id(self, block: int) -> None:
+        if type(block) is not int:
+            raise InvalidBlockError(f"{self.name} block id must be an int, got "
+                                    f"{type(block).__name__} {block!r}")
         if not 0 <= block < self.num_blocks or block == self.null_block:
             raise InvalidBlockError(
                 f"{self.name} block id {block} is not usable (pool of {self.num_blocks}, "
@@ -183,13 +192,14 @@ class BlockAllocator:
 
     def is_cached(self, block: int) -> bool:
         """Whether the block holds cached content (used or evictable)."""
+        self._check_id(block)
         return self._cached[block]
 
     def evict(self, num_blocks: int | None = None) -> list[int]:
         """Move up to ``num_blocks`` (default all) evictable blocks to the free stack, LRU first."""
         count = len(self._evictable)
         if num_blocks is not None:
-            count = min(count, num_blocks)
+            count = min(count, checks.count(num_blocks, "num_blocks"))
         evicted = [self._evictable.popitem(last=False)[0] for _ in range(count)]
         for block in evicted:
             self._uncache(block)

@@ -5,11 +5,18 @@ recently admitted requests when blocks run out (swap to the CPU pool, or free an
 (2) when nothing was preempted, swaps requests back in and then admits waiting ones, whose prefill
 starts after their prefix-cache hits. All scheduled requests run as one batch: varlen prefill and
 decode together when someone prefills, a pure decode batch otherwise.
+
+Bad requests are refused at ``add_request`` (``generate`` checks its whole batch before queueing
+any of it), so one client's token ids cannot stop the others. A step that raises (a failing
+kernel, say) keeps its scheduled batch in flight: the next ``step()`` applies the rest of the
+cache plan and runs the same batch, so nothing is lost or generated twice. Like the block manager,
+the engine is driven by one thread.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -18,10 +25,12 @@ from enum import Enum
 
 import torch
 
+from . import checks
 from .cache import PagedKVCache
-from .errors import OutOfBlocksError
+from .errors import InvalidArgumentError, OutOfBlocksError
 from .manager import BlockManager
 from .model import LlamaForCausalLM
+from .plan import PlanExecutor, cpu_cache_for
 
 __all__ = ["EngineConfig", "EngineStats", "LLMEngine", "Request", "SamplingParams", "Status"]
 
@@ -33,6 +42,16 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.max_tokens = checks.positive(self.max_tokens, "max_tokens")
+        temperature = self.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+                math.isfinite(temperature) and temperature >= 0):
+            raise InvalidArgumentError(
+                f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgumentError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
 
 class Status(Enum):
@@ -77,6 +96,20 @@ class EngineConfig:
     reserve_null_block: bool = True
     cache_dtype: torch.dtype | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.block_size = checks.positive(self.block_size, "block_size")
+        if self.num_blocks is None and self.kv_cache_bytes is None:
+            raise InvalidArgumentError("EngineConfig needs num_blocks or kv_cache_bytes")
+        if self.num_blocks is not None:
+            self.num_blocks = checks.positive(self.num_blocks, "num_blocks")
+        if self.kv_cache_bytes is not None:
+            self.kv_cache_bytes = checks.positive(self.kv_cache_bytes, "kv_cache_bytes")
+        self.num_cpu_blocks = checks.count(self.num_cpu_blocks, "num_cpu_blocks")
+        self.max_num_seqs = checks.positive(self.max_num_seqs, "max_num_seqs")
+        self.max_num_batched_tokens = checks.positive(self.max_num_batched_tokens,
+                                                      "max_num_batched_tokens")
+        self.seed = checks.count(self.seed, "seed")
 
 
 @dataclass(slots=True)
@@ -211,14 +244,22 @@ class LLMEngine:
         num_blocks = self.config.num_blocks
         if self.config.kv_cache_bytes is not None:
             num_blocks = spec.num_blocks_for(self.config.kv_cache_bytes)
+        if num_blocks < 1 + self.config.reserve_null_block:
+            raise InvalidArgumentError(f"a KV budget of {num_blocks} block(s) of "
+                                       f"{spec.bytes_per_block} bytes holds no request")
         self.cache = PagedKVCache(spec, num_blocks, self.device)
-        self.manager = BlockManager(self.cache, num_cpu_blocks=self.config.num_cpu_blocks,
+        num_cpu_blocks = self.config.num_cpu_blocks
+        self.cpu_cache = cpu_cache_for(self.cache, num_cpu_blocks) if num_cpu_blocks else None
+        self.manager = BlockManager(num_blocks, self.config.block_size,
+                                    num_cpu_blocks=num_cpu_blocks,
                                     enable_prefix_caching=self.config.enable_prefix_caching,
                                     reserve_null_block=self.config.reserve_null_block)
+        self.executor = PlanExecutor(self.cache, self.cpu_cache)
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.config, self.manager, self.stats)
         self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
         self._ids = itertools.count()
+        self._in_flight: list[tuple[Request, int]] | None = None
 
     @property
     def max_request_tokens(self) -> int:
@@ -231,15 +272,34 @@ class LLMEngine:
         return prefix.stats.hit_rate if prefix is not None else 0.0
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> Request:
-        """Queue a request; it joins the running batch at a coming step."""
-        params = params or SamplingParams()
+        """Queue a request; it joins the running batch at a coming step.
+
+        Raises InvalidArgumentError, queueing nothing, for a prompt that is empty, not integer
+        token ids, holds an id outside the model's vocabulary, or with ``params.max_tokens`` does
+        not fit the cache or the model's positions."""
+        prompt, params = self._check_request(prompt, params)
+        return self._queue(prompt, params)
+
+    def _check_request(self, prompt: Sequence[int], params: SamplingParams | None,
+                       name: str = "prompt") -> tuple[list[int], SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidArgumentError(f"params must be SamplingParams, got {params!r}")
+        prompt = checks.token_ids(prompt, name, self.model.config.vocab_size)
+        if not prompt:
+            raise InvalidArgumentError(f"{name} is empty; a request needs at least one token")
         total = len(prompt) + params.max_tokens
-        if not prompt or params.max_tokens < 1:
-            raise ValueError("a request needs a non-empty prompt and max_tokens >= 1")
-        if total > min(self.max_request_tokens, self.model.config.max_position_embeddings):
-            raise ValueError(f"request of {total} tokens exceeds the cache "
-                             f"({self.max_request_tokens}) or the model's positions")
-        request = Request(next(self._ids), list(prompt), params)
+        limit = min(self.max_request_tokens, self.model.config.max_position_embeddings)
+        if total > limit:
+            raise InvalidArgumentError(
+                f"{name}: a request of {len(prompt)} + {params.max_tokens} tokens exceeds the "
+                f"cache ({self.max_request_tokens} tokens) or the model's positions "
+                f"({self.model.config.max_position_embeddings})")
+        return prompt, params
+
+    def _queue(self, prompt: list[int], params: SamplingParams) -> Request:
+        request = Request(next(self._ids), prompt, params)
         self.scheduler.waiting.append(request)
         return request
 
@@ -247,11 +307,17 @@ class LLMEngine:
         return bool(self.scheduler)
 
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that finished in it."""
+        """Run one batch; returns the requests that finished in it.
+
+        If it raises after scheduling (the cache plan or the model failed), the batch stays in
+        flight and the next call runs it again before scheduling anything new."""
         start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            raise RuntimeError("no request could be scheduled: the cache is too small")
+        if self._in_flight is None:
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                raise RuntimeError("no request could be scheduled: the cache is too small")
+            self._in_flight = scheduled
+        scheduled = self._in_flight
         requests = [request for request, _ in scheduled]
         query_lens = [q for _, q in scheduled]
         batch = self.manager.build_batch([r.request_id for r in requests], query_lens,
@@ -260,11 +326,13 @@ class LLMEngine:
         input_ids = [t for seq, q in zip(tokens, query_lens, strict=True) for t in seq[-q:]]
         positions = [p for seq, q in zip(tokens, query_lens, strict=True)
                      for p in range(len(seq) - q, len(seq))]
+        self.executor.run(self.manager)
         with torch.inference_mode():
             logits = self.model(torch.tensor(input_ids, device=self.device),
                                 torch.tensor(positions, device=self.device), self.cache, batch,
                                 batch.query_start_loc[1:].long() - 1)
         next_tokens = self._sample(logits, requests)
+        self._in_flight = None
         self._record(requests)
         finished = [r for r, t in zip(requests, next_tokens, strict=True) if self._append(r, t)]
         for request in finished:
@@ -299,10 +367,22 @@ class LLMEngine:
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[list[int]]:
-        """Run prompts to completion; the output tokens of each, in order."""
-        if not isinstance(params, Sequence):
+        """Run prompts to completion; the output tokens of each, in order.
+
+        The whole batch is checked before any of it is queued: one bad prompt (or a params list
+        of another length) raises InvalidArgumentError and queues nothing."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise InvalidArgumentError(
+                f"prompts must be a sequence of prompts, got {type(prompts).__name__}")
+        if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        requests = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        elif not isinstance(params, Sequence) or len(params) != len(prompts):
+            raise InvalidArgumentError(
+                f"params must be one SamplingParams or one per prompt ({len(prompts)}), got "
+                f"{len(params) if isinstance(params, Sequence) else type(params).__name__}")
+        checked = [self._check_request(p, s, f"prompts[{i}]")
+                   for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
+        requests = [self._queue(p, s) for p, s in checked]
         while self.has_unfinished():
             self.step()
         return [r.output_token_ids for r in requests]

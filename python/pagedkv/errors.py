@@ -6,6 +6,7 @@ __all__ = [
     "DoubleFreeError",
     "DuplicateSequenceError",
     "FreedSequenceError",
+    "InvalidArgumentError",
     "InvalidBlockError",
     "OutOfBlocksError",
     "PagedKVError",
@@ -16,6 +17,13 @@ __all__ = [
 
 class PagedKVError(Exception):
     """Base class of every error pagedkv raises on purpose."""
+
+
+class InvalidArgumentError(PagedKVError, ValueError, TypeError):
+    """An argument of the wrong type or out of its range (the message names it); nothing changed.
+
+    Both a ValueError and a TypeError, so either ``except`` clause catches it.
+    """
 
 
 class OutOfBlocksError(PagedKVError):

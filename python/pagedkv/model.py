@@ -232,9 +232,9 @@ class LlamaForCausalLM(nn.Module):
     -------
     >>> model = LlamaForCausalLM.from_hf(hf_model)      # a transformers LlamaForCausalLM
     >>> cache = PagedKVCache(model.config.kv_cache_spec(16), num_blocks=64)
-    >>> manager = BlockManager(cache)
+    >>> manager = BlockManager(cache.num_blocks, cache.spec.block_size)
     >>> manager.add_sequence(0, prompt)
-    >>> batch = manager.build_batch([0], len(prompt))
+    >>> batch = manager.build_batch([0], len(prompt))  # no plan to run: nothing was copied
     >>> logits = model(torch.tensor(prompt), torch.arange(len(prompt)), cache, batch)
     """
 

@@ -136,12 +136,13 @@ class _Contiguous:
 
 
 class _Paged:
-    """The real BlockManager without a cache: block bookkeeping only."""
+    """The real BlockManager: block bookkeeping only (no forks or swaps, so its plans stay
+    empty)."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix: bool) -> None:
         self.block_size, self.prompt_tokens, self.hit_tokens = block_size, 0, 0
-        self.manager = BlockManager(num_blocks=num_blocks, block_size=block_size,
-                                    enable_prefix_caching=prefix, reserve_null_block=False)
+        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix,
+                                    reserve_null_block=False)
 
     @property
     def reserved(self) -> int:
