@@ -38,7 +38,8 @@ TRACES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
 }
 """Name -> ((prompt median, sigma), (output median, sigma)) of the log-normal lengths."""
 
-_SHIFT = 1 << 24  # token ids: a request's own tokens are (id + 1) * _SHIFT + position
+_SHIFT = 1 << 24  # token ids: a request's own tokens are (id + 1) * _SHIFT + position,
+_SHARED = 1 << 48  # shared prefix p's are _SHARED + p * _SHIFT + position (all ids >= 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +69,9 @@ class Request:
         if self.prompt is not None:
             head = list(self.prompt[start:min(stop, self.prompt_len)])
             return head + [own + p for p in range(max(start, self.prompt_len), stop)]
-        shared = -(self.prefix_id + 1) * _SHIFT if self.prefix_id is not None else 0
+        shared = _SHARED + (self.prefix_id or 0) * _SHIFT
         cut = min(max(start, self.prefix_len), stop)
-        return [shared - p for p in range(start, cut)] + [own + p for p in range(cut, stop)]
+        return [shared + p for p in range(start, cut)] + [own + p for p in range(cut, stop)]
 
 
 def _lognormal(rng: np.random.Generator, median: float, sigma: float, n: int) -> np.ndarray:
