@@ -1,7 +1,7 @@
 """pagedkv.model against Hugging Face transformers on the same random weights.
 
-The model runs through the block manager and the paged ops directly (no engine): one varlen
-prefill of every prompt, then batched decode steps. float32 must give HF's greedy tokens exactly;
+The model runs through the block manager, its cache plans and the paged ops directly (no engine):
+one varlen prefill of every prompt, then batched decode steps. float32 must give HF's greedy tokens exactly;
 bfloat16 logits must be as close to HF's float32 logits as HF's own bfloat16 logits are (x2).
 """
 
@@ -10,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedkv.allocator import NULL_BLOCK
 from pagedkv.cache import PagedKVCache
 from pagedkv.manager import BlockManager
 from pagedkv.model import LlamaForCausalLM, ModelConfig
+from pagedkv.plan import PlanExecutor
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,18 +65,27 @@ def paged_generate(model: LlamaForCausalLM, prompts: list[list[int]], max_new: i
                    ) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy tokens per prompt and logits ``[steps, num_prompts, vocab]``.
 
-    With ``forced``, those tokens are fed instead of the argmax (teacher forcing).
+    With ``forced``, those tokens are fed instead of the argmax (teacher forcing). The manager
+    runs with ``debug_nan``: its plans NaN-fill every fresh block (and the null block) before the
+    model runs, so a read of a slot that no token wrote (padding, a stale block) shows up as NaN
+    logits.
     """
     param = next(model.parameters())
     spec = model.config.kv_cache_spec(block_size, param.dtype, cache_dtype)
     cache = PagedKVCache(spec, num_blocks=128, device=param.device)
-    manager = BlockManager(cache, enable_prefix_caching=False, debug_nan=True)
+    manager = BlockManager(cache.num_blocks, cache.spec.block_size, enable_prefix_caching=False,
+                           debug_nan=True)
+    executor = PlanExecutor(cache)
     ids = list(range(len(prompts)))
     for i, prompt in enumerate(prompts):
         manager.add_sequence(i, prompt)
     tokens, query_lens, steps = [list(p) for p in prompts], [len(p) for p in prompts], []
     for step in range(max_new):
         batch = manager.build_batch(ids, query_lens, device=param.device)
+        plan = executor.run(manager)  # NaN fills of the fresh blocks, before the kernels
+        if step == 0:
+            assert set(plan.poison) == {NULL_BLOCK, *(b for i in ids
+                                                     for b in manager.block_table(i))}
         pairs = list(zip(tokens, query_lens, strict=True))
         input_ids = torch.tensor([t for seq, q in pairs for t in seq[-q:]])
         positions = torch.cat([torch.arange(len(seq) - q, len(seq)) for seq, q in pairs])
@@ -87,7 +98,25 @@ def paged_generate(model: LlamaForCausalLM, prompts: list[list[int]], max_new: i
             tokens[i].append(token)
             manager.append_tokens(i, token)
         query_lens = [1] * len(prompts)
+    executor.run(manager)
+    _assert_unwritten_slots_are_nan(cache, manager, [len(seq) - 1 for seq in tokens])
     return [seq[len(p):] for seq, p in zip(tokens, prompts, strict=True)], torch.stack(steps)
+
+
+def _assert_unwritten_slots_are_nan(cache: PagedKVCache, manager: BlockManager,
+                                    num_written: list[int]) -> None:
+    """The slots of each sequence's blocks past its ``num_written`` tokens, and the null block,
+    hold the plans' NaN fill (so the fill did run: a read of them would have shown)."""
+    size = cache.spec.block_size
+    key, value = (c.float() for c in cache.layer(0))
+    assert key[NULL_BLOCK].isnan().all() and value[NULL_BLOCK].isnan().all()
+    for seq_id, written in enumerate(num_written):
+        table = manager.block_table(seq_id)
+        for pos in range(written, len(table) * size):
+            block, slot = table[pos // size], pos % size
+            assert key[block, :, slot].isnan().all(), (seq_id, pos)
+            assert value[block, :, slot].isnan().all(), (seq_id, pos)
+        assert not key[table[(written - 1) // size], :, (written - 1) % size].isnan().any()
 
 
 def hf_step_logits(hf: torch.nn.Module, prompt: list[int], new: list[int]) -> torch.Tensor:
@@ -134,11 +163,13 @@ def test_prefill_on_prefix_hit_matches_hf() -> None:
     hf = tiny_hf_model(seed=1)
     model = LlamaForCausalLM.from_hf(hf)
     cache = PagedKVCache(model.config.kv_cache_spec(4), num_blocks=32)
-    manager = BlockManager(cache)
+    manager = BlockManager(cache.num_blocks, cache.spec.block_size)
+    executor = PlanExecutor(cache)
     first, second = SHARED + [1, 2], SHARED + [3, 4, 5]
     for seq_id, prompt in enumerate((first, second)):
         cached = manager.add_sequence(seq_id, prompt)
         batch = manager.build_batch([seq_id], len(prompt) - cached)
+        assert not executor.run(manager)  # nothing to copy, swap or fill here
         with torch.no_grad():
             logits = model(torch.tensor(prompt[cached:]), torch.arange(cached, len(prompt)),
                            cache, batch)
