@@ -84,17 +84,26 @@ class BlockTableRows:
     ) -> BatchTensors:
         """Batch tensors of the sequences in ``rows`` (intp) with ``seq_lens`` (int32) tokens."""
         n = len(rows)
-        query_lens = np.broadcast_to(np.asarray(num_query_tokens, dtype=np.int32), (n,))
-        if n and (query_lens.min() < 1 or (query_lens > seq_lens).any()):
-            raise ValueError("num_query_tokens must be in [1, seq_len] for every sequence")
+        if isinstance(num_query_tokens, (int, np.integer)):  # one length for all: no broadcast
+            query_lens = np.full(n, num_query_tokens, dtype=np.int32)
+            if num_query_tokens < 1 or (n and seq_lens.min() < num_query_tokens):
+                raise ValueError("num_query_tokens must be in [1, seq_len] for every sequence")
+            query_start_loc = np.arange(0, (n + 1) * num_query_tokens, num_query_tokens,
+                                        dtype=np.int32)
+        else:
+            query_lens = np.asarray(num_query_tokens, dtype=np.int32)
+            if query_lens.shape != (n,):
+                raise ValueError(f"num_query_tokens must be one int or {n} ints")
+            if n and (query_lens.min() < 1 or (query_lens > seq_lens).any()):
+                raise ValueError("num_query_tokens must be in [1, seq_len] for every sequence")
+            query_start_loc = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(query_lens, out=query_start_loc[1:])
         max_seq_len = int(seq_lens.max()) if n else 0
         width = max(-(-max_seq_len // self.block_size), max_blocks or 0)
         if max_blocks is not None and max_blocks < width:
             raise ValueError(f"max_blocks={max_blocks} < {width} blocks of a sequence")
         if width > self.array.shape[1]:
             self._grow_columns(width)
-        query_start_loc = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
         slots = self._slot_mapping(rows, seq_lens, query_lens, query_start_loc, pad_tokens_to)
         arrays = (self.array[rows, :width], seq_lens, slots, query_start_loc)
         tensors = [torch.from_numpy(array) for array in arrays]

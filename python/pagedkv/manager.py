@@ -551,24 +551,27 @@ class BlockManager:
         and ``pad_tokens_to`` the slot_mapping length (padded with -1), e.g. for CUDA graphs.
         """
         try:
-            seqs = [self._seqs[seq_id] for seq_id in seq_ids]
+            seqs = list(map(self._seqs.__getitem__, seq_ids))
         except (KeyError, TypeError):
             if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
                 raise InvalidArgumentError(
                     f"seq_ids must be a sequence of sequence ids, got {type(seq_ids).__name__}"
                 ) from None
             seqs = [self._get(seq_id) for seq_id in seq_ids]
-        num_query_tokens = checks.query_lens(num_query_tokens, len(seqs))
-        rows = np.fromiter([seq.row for seq in seqs], np.intp, len(seqs))
-        if len(seqs):
+        n = len(seqs)
+        if type(num_query_tokens) is not int or num_query_tokens < 1:
+            num_query_tokens = checks.query_lens(num_query_tokens, n)
+        rows = np.fromiter([seq.row for seq in seqs], np.intp, n)
+        if n:
             if rows.min() < 0:
                 seqs = [self._resident(seq_id) for seq_id in seq_ids]  # raises
-            if len(seqs) > 1 and np.bincount(rows).max() > 1:
+            if n > 1 and np.bincount(rows).max() > 1:
                 counts = np.bincount(rows)
                 dup = next(s for s, seq in zip(seq_ids, seqs, strict=True) if counts[seq.row] > 1)
                 raise InvalidArgumentError(f"seq_ids names sequence {dup!r} more than once")
-        seq_lens = np.fromiter([len(seq.token_ids) for seq in seqs], np.int32, len(seqs))
+        seq_lens = np.fromiter([len(seq.token_ids) for seq in seqs], np.int32, n)
+        if max_blocks is not None or pad_tokens_to is not None:
+            max_blocks = checks.optional_count(max_blocks, "max_blocks")
+            pad_tokens_to = checks.optional_count(pad_tokens_to, "pad_tokens_to")
         return self.tables.build(rows, seq_lens, num_query_tokens, device=device,
-                                 max_blocks=checks.optional_count(max_blocks, "max_blocks"),
-                                 pad_tokens_to=checks.optional_count(pad_tokens_to,
-                                                                     "pad_tokens_to"))
+                                 max_blocks=max_blocks, pad_tokens_to=pad_tokens_to)

@@ -20,7 +20,6 @@ import hashlib
 import struct
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from . import checks
 from .allocator import BlockAllocator
@@ -35,12 +34,10 @@ NO_ENTRY = 0
 """The entry id of a block that is not verifiably cached (its chain cannot be reused)."""
 
 
-class BlockKey(NamedTuple):
-    """What a sequence remembers of one of its full blocks: the chained hash, and the id of the
-    cache entry that holds the same content (``NO_ENTRY`` when none is verifiably cached)."""
-
-    hash: bytes
-    entry: int
+BlockKey = tuple[bytes, int]
+"""What a sequence remembers of one of its full blocks: ``(chained hash, entry id)``, the id of
+the cache entry that holds the same content (``NO_ENTRY`` when none is verifiably cached). Plain
+tuples: a sequence keeps one per full block, and they are made on the decode path."""
 
 
 def encode_block(
@@ -88,13 +85,10 @@ class PrefixCacheStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-@dataclass(slots=True)
-class _Entry:
-    block: int
-    hash: bytes
-    payload: bytes
-    parent: int  # entry id of the parent block (ROOT_ENTRY for a first block)
-    id: int
+# A cache entry: (block, hash, payload, parent entry id (ROOT_ENTRY for a first block), id);
+# a plain tuple, made once per registered block.
+_BLOCK, _HASH, _PAYLOAD, _PARENT, _ID = range(5)
+_Entry = tuple[int, bytes, bytes, int, int]
 
 
 class PrefixCache:
@@ -125,7 +119,7 @@ class PrefixCache:
     def block_of(self, block_hash: bytes) -> int | None:
         """The block cached under ``block_hash``, or None."""
         entry = self._by_hash.get(block_hash)
-        return entry.block if entry is not None else None
+        return entry[_BLOCK] if entry is not None else None
 
     def match(
         self, token_ids: Sequence[int], extra_key: Hashable = None, max_blocks: int | None = None
@@ -151,11 +145,11 @@ class PrefixCache:
             payload = _encode(parent_hash, token_ids[i * size:(i + 1) * size], extra)
             block_hash = _digest(payload)
             entry = self._by_hash.get(block_hash)
-            if entry is None or entry.payload != payload or entry.parent != parent_id:
+            if entry is None or entry[_PAYLOAD] != payload or entry[_PARENT] != parent_id:
                 break
-            blocks.append(entry.block)
-            keys.append(BlockKey(block_hash, entry.id))
-            parent_hash, parent_id = block_hash, entry.id
+            parent_hash, parent_id = block_hash, entry[_ID]
+            blocks.append(entry[_BLOCK])
+            keys.append((block_hash, parent_id))
         return blocks, keys
 
     def record_query(self, query_tokens: int, hit_tokens: int) -> None:
@@ -183,8 +177,12 @@ class PrefixCache:
             raise InvalidArgumentError(
                 f"token_ids must hold one full block ({self.block_size} tokens), got "
                 f"{len(token_ids)}")
-        if parent is not None and not isinstance(parent, BlockKey):
-            raise InvalidArgumentError(f"parent must be a BlockKey or None, got {parent!r}")
+        if parent is not None and not (
+                isinstance(parent, tuple) and len(parent) == 2 and isinstance(parent[0], bytes)
+                and type(parent[1]) is int):
+            raise InvalidArgumentError(
+                f"parent must be a (hash, entry id) key from match or register, or None; got "
+                f"{parent!r}")
         return self._register(block, parent, token_ids, checks.extra_key_bytes(extra_key))
 
     def _register(self, block: int, parent: BlockKey | None, token_ids: list[int],
@@ -193,18 +191,19 @@ class PrefixCache:
         payload = _encode(parent_hash, token_ids, extra)
         block_hash = _digest(payload)
         if parent_id == NO_ENTRY:
-            return BlockKey(block_hash, NO_ENTRY)
+            return block_hash, NO_ENTRY
         entry = self._by_hash.get(block_hash)
         if entry is not None:
-            same = entry.payload == payload and entry.parent == parent_id
-            return BlockKey(block_hash, entry.id if same else NO_ENTRY)
+            same = entry[_PAYLOAD] == payload and entry[_PARENT] == parent_id
+            return block_hash, entry[_ID] if same else NO_ENTRY
         if block in self._by_block:  # the block already holds other content's entry
-            return BlockKey(block_hash, NO_ENTRY)
+            return block_hash, NO_ENTRY
         self.allocator.mark_cached(block)  # checks the block first
-        entry = _Entry(block, block_hash, payload, parent_id, self._next_id)
-        self._next_id += 1
-        self._by_hash[block_hash] = self._by_block[block] = entry
-        return BlockKey(block_hash, entry.id)
+        entry_id = self._next_id
+        self._next_id = entry_id + 1
+        self._by_hash[block_hash] = self._by_block[block] = (block, block_hash, payload,
+                                                             parent_id, entry_id)
+        return block_hash, entry_id
 
     def evict(self, num_blocks: int | None = None) -> list[int]:
         """Evict up to ``num_blocks`` (default all) unreferenced cached blocks, LRU first."""
@@ -212,5 +211,5 @@ class PrefixCache:
 
     def _forget(self, block: int) -> None:
         entry = self._by_block.pop(block)
-        del self._by_hash[entry.hash]
+        del self._by_hash[entry[_HASH]]
         self.stats.evictions += 1
