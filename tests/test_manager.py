@@ -1,3 +1,5 @@
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
@@ -17,15 +19,32 @@ from pagedkv.errors import (
     UnknownSequenceError,
 )
 from pagedkv.manager import BlockManager
+from pagedkv.plan import PlanExecutor, cpu_cache_for
 from pagedkv.spec import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float32)
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
-def make(num_blocks=16, combined_kv=False, device="cpu", **kwargs) -> BlockManager:
-    cache = PagedKVCache(SPEC, num_blocks, device, combined_kv=combined_kv)
-    return BlockManager(cache, num_cpu_blocks=8, **kwargs)
+@dataclass
+class Rig:
+    """A device cache, the manager of its blocks and the executor of the manager's plans."""
+
+    cache: PagedKVCache
+    manager: BlockManager
+    executor: PlanExecutor
+
+    def run(self):
+        return self.executor.run(self.manager)
+
+
+def make(num_blocks=16, combined_kv=False, device="cpu", num_cpu_blocks=8, spec=SPEC,
+         **kwargs) -> Rig:
+    cache = PagedKVCache(spec, num_blocks, device, combined_kv=combined_kv)
+    manager = BlockManager(cache.num_blocks, cache.spec.block_size,
+                           num_cpu_blocks=num_cpu_blocks, **kwargs)
+    cpu_cache = cpu_cache_for(cache, num_cpu_blocks) if num_cpu_blocks else None
+    return Rig(cache, manager, PlanExecutor(cache, cpu_cache))
 
 
 def token_kv(seq_tokens: list[int], start: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,26 +57,30 @@ def token_kv(seq_tokens: list[int], start: int, layer: int) -> tuple[torch.Tenso
     return key, -key
 
 
-def write(manager: BlockManager, seq_id, tokens: list[int], num_new: int) -> None:
-    device = manager.cache.device
-    batch = manager.build_batch([seq_id], num_new, device=device)
+def write(rig: Rig, seq_id, tokens: list[int], num_new: int) -> None:
+    """One step: the batch, then the pending plan, then the kernel writing the new K/V."""
+    device = rig.cache.device
+    batch = rig.manager.build_batch([seq_id], num_new, device=device)
+    rig.run()
+    assert not rig.manager.plan()
     for layer in range(SPEC.num_layers):
         key, value = token_kv(tokens, len(tokens) - num_new, layer)
         reference.reshape_and_cache(key.to(device), value.to(device),
-                                    *manager.cache.layer(layer), batch.slot_mapping)
+                                    *rig.cache.layer(layer), batch.slot_mapping)
 
 
-def assert_reads_back(manager: BlockManager, seq_id, tokens: list[int]) -> None:
-    table = torch.tensor(manager.block_table(seq_id), dtype=torch.int32)
+def assert_reads_back(rig: Rig, seq_id, tokens: list[int]) -> None:
+    assert not rig.manager.plan(), "run the plan before reading the cache"
+    table = torch.tensor(rig.manager.block_table(seq_id), dtype=torch.int32)
     for layer in range(SPEC.num_layers):
-        key, value = reference.gather_kv(*manager.cache.layer(layer), table, len(tokens))
+        key, value = reference.gather_kv(*rig.cache.layer(layer), table, len(tokens))
         want_key, want_value = token_kv(tokens, 0, layer)
         assert torch.equal(key.cpu(), want_key) and torch.equal(value.cpu(), want_value)
 
 
-def add(manager: BlockManager, seq_id, tokens: list[int], extra_key=None) -> int:
-    cached = manager.add_sequence(seq_id, tokens, extra_key)
-    write(manager, seq_id, tokens, len(tokens) - cached)
+def add(rig: Rig, seq_id, tokens: list[int], extra_key=None) -> int:
+    cached = rig.manager.add_sequence(seq_id, tokens, extra_key)
+    write(rig, seq_id, tokens, len(tokens) - cached)
     return cached
 
 

@@ -158,7 +158,8 @@ class BlockAllocator:
     def _check_releasable(self, blocks: list[int]) -> None:
         counts, size, null = self.ref_counts, self.num_blocks, self.null_block
         for block in blocks:
-            if type(block) is not int or not 0 <= block < size or block == null or not counts[block]:
+            if (type(block) is not int or not 0 <= block < size or block == null
+                    or not counts[block]):
                 break
         else:
             if len(blocks) < 2 or len(set(blocks)) == len(blocks):
