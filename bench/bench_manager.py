@@ -4,6 +4,8 @@ python -m bench.bench_manager [--seqs 256] [--steps 200] [--quick]
 
 - decode step: append one token to each running sequence and build the batch tensors
   (block_tables, seq_lens, slot_mapping, query_start_loc); median per step after a warm-up.
+- parallel sampling: prompts forked into n samples that each append a token (copy-on-write of
+  the shared last block), the batch, the plan taken and completed (no kernels), then freed.
 - allocations per second: BlockAllocator.allocate(1) + free, and add_sequence + free of whole
   prompts with and without prefix-cache hits.
 """
@@ -23,6 +25,7 @@ import torch
 
 from pagedkv.allocator import BlockAllocator
 from pagedkv.manager import BlockManager
+from pagedkv.plan import PHASES
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
@@ -77,6 +80,35 @@ def bench_decode_step(num_seqs: int, steps: int, prefix_caching: bool) -> list[d
     ]
 
 
+def bench_parallel_sampling(num_prompts: int, n: int, repeat: int) -> list[dict]:
+    """One step of parallel sampling: ``num_prompts`` prompts of 100 tokens, each forked into
+    ``n`` samples that append a token; the plan holds one copy per forked sample."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(32000) for _ in range(100)] for _ in range(num_prompts)]
+    manager = BlockManager(num_prompts * n * 8, BLOCK)
+
+    def step() -> None:
+        samples = []
+        for p, prompt in enumerate(prompts):
+            manager.add_sequence((p, 0), prompt)
+            samples.append((p, 0))
+            for k in range(1, n):
+                manager.fork((p, 0), (p, k))
+                samples.append((p, k))
+        for sample in samples:
+            manager.append_tokens(sample, 7)
+        manager.build_batch(samples)
+        plan = manager.plan()
+        assert len(plan.copies) == num_prompts * (n - 1)
+        for phase in PHASES:
+            manager.complete(plan, phase)
+        for sample in samples:
+            manager.free(sample)
+
+    case = f"{num_prompts} prompts x {n} samples, block {BLOCK}"
+    return [_row("parallel sampling step", case, *_median_us(step, 3, repeat), "us/step")]
+
+
 def bench_allocations(count: int) -> list[dict]:
     """Single-block allocate + free pairs per second, and whole-prompt add + free per second."""
     allocator = BlockAllocator(4096, reserve_null_block=True)
@@ -115,6 +147,7 @@ def run(num_seqs: int = 256, steps: int = 200, quick: bool = False) -> list[dict
     steps = min(steps, 20) if quick else steps
     rows = bench_decode_step(num_seqs, steps, prefix_caching=True)
     rows += bench_decode_step(num_seqs, steps, prefix_caching=False)
+    rows += bench_parallel_sampling(num_seqs // 4, 4, 5 if quick else 30)
     return rows + bench_allocations(2_000 if quick else 20_000)
 
 

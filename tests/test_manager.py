@@ -85,47 +85,59 @@ def add(rig: Rig, seq_id, tokens: list[int], extra_key=None) -> int:
 
 
 def test_add_reuses_the_cached_prefix():
-    manager = make()
+    rig = make()
+    manager = rig.manager
     prompt = list(range(10))
-    assert add(manager, "a", prompt) == 0
-    assert add(manager, "b", [*prompt, 7, 7]) == 8
+    assert add(rig, "a", prompt) == 0
+    assert add(rig, "b", [*prompt, 7, 7]) == 8
     assert manager.block_table("b")[:2] == manager.block_table("a")[:2]
-    assert add(manager, "c", prompt, extra_key="other adapter") == 0
+    assert add(rig, "c", prompt, extra_key="other adapter") == 0
     for seq_id, tokens in (("a", prompt), ("b", [*prompt, 7, 7]), ("c", prompt)):
-        assert_reads_back(manager, seq_id, tokens)
+        assert_reads_back(rig, seq_id, tokens)
     stats = manager.prefix_cache.stats
     assert (stats.queries, stats.query_tokens, stats.hit_tokens) == (3, 32, 8)
 
 
 def test_a_fully_cached_prompt_leaves_its_last_block_to_compute():
-    manager = make()
-    add(manager, "a", list(range(8)))
+    rig = make()
+    manager = rig.manager
+    add(rig, "a", list(range(8)))
     assert manager.add_sequence("b", list(range(8))) == 4
     assert manager.block_table("b")[0] == manager.block_table("a")[0]
     assert manager.block_table("b")[1] != manager.block_table("a")[1]
 
 
 def test_freed_prefix_is_revived_and_counted_against_the_pool():
-    manager = make(num_blocks=5)  # 4 usable
-    add(manager, "a", list(range(8)))
+    rig = make(num_blocks=5)  # 4 usable
+    manager = rig.manager
+    add(rig, "a", list(range(8)))
     manager.free("a")
     assert manager.allocator.num_evictable_blocks == 2
     assert manager.can_allocate(list(range(9)) + [0] * 7)  # 1 revived + 3 new = 4
     assert not manager.can_allocate(list(range(9)) + [0] * 8)
-    assert add(manager, "b", list(range(9))) == 8
-    assert_reads_back(manager, "b", list(range(9)))
+    assert add(rig, "b", list(range(9))) == 8
+    assert_reads_back(rig, "b", list(range(9)))
 
 
 def test_prefix_caching_can_be_disabled():
-    manager = make(enable_prefix_caching=False)
-    add(manager, "a", list(range(8)))
-    assert add(manager, "b", list(range(8))) == 0
-    assert manager.prefix_cache is None
+    rig = make(enable_prefix_caching=False)
+    add(rig, "a", list(range(8)))
+    assert add(rig, "b", list(range(8))) == 0
+    assert rig.manager.prefix_cache is None
+
+
+def test_the_manager_holds_no_cache():
+    manager = make().manager
+    for gone in ("cache", "cpu_cache", "flush_copies"):
+        assert not hasattr(manager, gone)
+    with pytest.raises(TypeError):
+        BlockManager(PagedKVCache(SPEC, 16), num_cpu_blocks=8)  # the old signature
 
 
 def test_add_errors_change_nothing():
-    manager = make(num_blocks=4)
-    add(manager, "a", [1, 2, 3])
+    rig = make(num_blocks=4)
+    manager = rig.manager
+    add(rig, "a", [1, 2, 3])
     with pytest.raises(DuplicateSequenceError):
         manager.add_sequence("a", [1])
     tables = manager.block_table("a")
@@ -134,12 +146,14 @@ def test_add_errors_change_nothing():
     assert isinstance(info.value, PagedKVError)
     assert manager.seq_ids == ["a"] and manager.block_table("a") == tables
     assert manager.allocator.num_free_blocks == 2
+    assert not manager.plan()
 
 
 def test_usage_counts():
-    manager = make()
-    add(manager, "a", list(range(10)))
-    add(manager, "b", list(range(9)))
+    rig = make()
+    manager = rig.manager
+    add(rig, "a", list(range(10)))
+    add(rig, "b", list(range(9)))
     manager.swap_out("b")
     assert manager.usage() == {"sequences": 2, "swapped": 1, "used_blocks": 3, "cached_blocks": 0,
                                "free_blocks": 12, "cpu_used_blocks": 3,
@@ -147,7 +161,7 @@ def test_usage_counts():
 
 
 def test_token_ids_may_be_tensors_or_numpy():
-    manager = make()
+    manager = make().manager
     assert manager.add_sequence("a", torch.arange(9)) == 0
     manager.append_tokens("a", np.int64(9))
     manager.append_tokens("a", torch.tensor(10))
@@ -157,70 +171,79 @@ def test_token_ids_may_be_tensors_or_numpy():
 
 
 def test_append_takes_a_block_when_the_last_is_full():
-    manager = make()
+    rig = make()
+    manager = rig.manager
     tokens = [5, 6, 7]
-    add(manager, "a", tokens)
+    add(rig, "a", tokens)
     for token in range(6):
         assert manager.can_append("a")
         assert manager.append_tokens("a", token) == []
         tokens.append(token)
-        write(manager, "a", tokens, 1)
+        write(rig, "a", tokens, 1)
     assert len(manager.block_table("a")) == 3 and manager.num_tokens("a") == 9
     manager.append_tokens("a", [1, 2, 3, 4])
     tokens += [1, 2, 3, 4]
-    write(manager, "a", tokens, 4)
-    assert_reads_back(manager, "a", tokens)
+    write(rig, "a", tokens, 4)
+    assert_reads_back(rig, "a", tokens)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("combined_kv", [False, True])
 def test_fork_shares_blocks_and_copies_the_last_on_write(combined_kv, device):
-    manager = make(combined_kv=combined_kv, device=device)
+    rig = make(combined_kv=combined_kv, device=device)
+    manager = rig.manager
     tokens = list(range(6))
-    add(manager, "parent", tokens)
+    add(rig, "parent", tokens)
     manager.fork("parent", "child")
     parent_table = manager.block_table("parent")
     assert manager.block_table("child") == parent_table
     assert [manager.allocator.ref_counts[b] for b in parent_table] == [2, 2]
+    assert not manager.plan()  # sharing queues nothing
     (pair,) = manager.append_tokens("child", 100)
     assert pair[0] == parent_table[1] and manager.block_table("child") == [parent_table[0], pair[1]]
+    assert manager.plan().copies == (pair,)  # queued, not run: the manager touches no tensor
     assert manager.append_tokens("parent", 200) == []  # no longer shared
     child, parent = [*tokens, 100], [*tokens, 200]
-    write(manager, "child", child, 1)  # build_batch applies the queued copy first
-    write(manager, "parent", parent, 1)
-    assert_reads_back(manager, "child", child)
-    assert_reads_back(manager, "parent", parent)
+    write(rig, "child", child, 1)  # runs the queued copy before writing
+    write(rig, "parent", parent, 1)
+    assert_reads_back(rig, "child", child)
+    assert_reads_back(rig, "parent", parent)
 
 
 @pytest.mark.parametrize("then", ["free parent", "swap out child"])
 def test_queued_copies_run_before_blocks_are_released_or_swapped(then):
-    manager = make(debug_nan=True)
+    rig = make(debug_nan=True)
+    manager = rig.manager
     tokens = list(range(6))
-    add(manager, "parent", tokens)
+    add(rig, "parent", tokens)
     manager.fork("parent", "child")
     manager.append_tokens("child", [100])  # queues the copy of the shared last block
     if then == "free parent":
         manager.free("parent")  # would NaN-fill the copy's source if the copy had not run
     else:
         manager.swap_out("child")  # would swap out the copy's destination before the copy
-        add(manager, "other", [7] * 8)  # takes the blocks the child released
+        add(rig, "other", [7] * 8)  # takes the blocks the child released
         manager.swap_in("child")
-        assert_reads_back(manager, "other", [7] * 8)
-    write(manager, "child", [*tokens, 100], 1)
-    assert_reads_back(manager, "child", [*tokens, 100])
+        rig.run()
+        assert_reads_back(rig, "other", [7] * 8)
+    write(rig, "child", [*tokens, 100], 1)
+    assert_reads_back(rig, "child", [*tokens, 100])
 
 
 def test_fork_of_a_full_last_block_needs_no_copy():
-    manager = make()
-    add(manager, "p", list(range(8)))
+    manager = make().manager
+    add_tokens = list(range(8))
+    manager.add_sequence("p", add_tokens)
     manager.fork("p", "c")
     assert manager.append_tokens("c", 1) == []
-    assert manager.flush_copies() == []
+    assert not manager.plan().copies
+    assert manager.block_table("c")[:2] == manager.block_table("p")
 
 
 def test_sequence_id_errors():
-    manager = make()
-    add(manager, "a", [1, 2])
+    rig = make()
+    manager = rig.manager
+    add(rig, "a", [1, 2])
     with pytest.raises(UnknownSequenceError, match="unknown sequence 'zz'"):
         manager.append_tokens("zz", 1)
     manager.free("a")
@@ -231,67 +254,80 @@ def test_sequence_id_errors():
     with pytest.raises(UnknownSequenceError):  # FreedSequenceError is one
         manager.fork("a", "b")
     assert manager.allocator.num_used_blocks == 0
-    add(manager, "a", [3])  # an id may be reused once freed
+    add(rig, "a", [3])  # an id may be reused once freed
     assert manager.num_tokens("a") == 1
 
 
 def test_append_out_of_blocks_changes_nothing():
-    manager = make(num_blocks=3)
-    add(manager, "a", [1, 2, 3, 4])
+    rig = make(num_blocks=3)
+    manager = rig.manager
+    add(rig, "a", [1, 2, 3, 4])
     manager.fork("a", "b")
-    add(manager, "c", [1])
+    add(rig, "c", [1])
     assert not manager.can_append("a")
     with pytest.raises(OutOfBlocksError):
         manager.append_tokens("a", 5)
     assert manager.num_tokens("a") == 4 and manager.block_table("a") == manager.block_table("b")
+    assert not manager.plan()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("combined_kv", [False, True])
 def test_swap_out_and_in_round_trips_the_data(combined_kv, device):
-    manager = make(combined_kv=combined_kv, device=device)
+    rig = make(combined_kv=combined_kv, device=device)
+    manager = rig.manager
     tokens = list(range(10))
-    add(manager, "a", tokens)
+    add(rig, "a", tokens)
     device_table = manager.block_table("a")
     pairs = manager.swap_out("a")
     assert [d for d, _ in pairs] == device_table and manager.is_swapped("a")
+    assert manager.plan().swap_out == tuple(pairs)
     assert manager.allocator.num_used_blocks == 0
     with pytest.raises(SequenceStateError, match="swapped out"):
         manager.append_tokens("a", 1)
     with pytest.raises(SequenceStateError):
         manager.build_batch(["a"])
-    add(manager, "b", [1])
+    add(rig, "b", [1])  # runs the swap-out before writing b (maybe into a's old blocks)
+    assert not manager.plan()
     with pytest.raises(SequenceStateError, match="not swapped"):
         manager.swap_in("b")
-    add(manager, "filler", list(range(20, 30)))
+    add(rig, "filler", list(range(20, 30)))
     assert manager.can_swap_in("a")
-    manager.swap_in("a")
-    assert not manager.is_swapped("a") and manager.cpu_allocator.num_used_blocks == 0
-    assert_reads_back(manager, "a", tokens)
+    swap_in = manager.swap_in("a")
+    assert manager.plan().swap_in == tuple(swap_in)
+    assert not manager.is_swapped("a")
+    rig.run()
+    assert manager.cpu_allocator.num_used_blocks == 0
+    assert_reads_back(rig, "a", tokens)
 
 
 def test_swap_in_reuses_prefix_blocks_still_cached():
-    manager = make()
+    rig = make()
+    manager = rig.manager
     tokens = list(range(10))
-    add(manager, "a", tokens)
+    add(rig, "a", tokens)
     device_table = manager.block_table("a")
     cpu_table = [cpu for _, cpu in manager.swap_out("a")]
     assert manager.allocator.num_evictable_blocks == 2  # its two full blocks stay cached
     assert manager.swap_in("a") == [(cpu_table[2], manager.block_table("a")[2])]
     assert manager.block_table("a")[:2] == device_table[:2]
-    assert_reads_back(manager, "a", tokens)
+    rig.run()
+    assert_reads_back(rig, "a", tokens)
     manager.swap_out("a")
+    rig.run()
     manager.evict_cached()
     assert len(manager.swap_in("a")) == 3
-    assert_reads_back(manager, "a", tokens)
+    rig.run()
+    assert_reads_back(rig, "a", tokens)
 
 
 def test_swap_needs_room_in_the_cpu_pool():
-    manager = BlockManager(PagedKVCache(SPEC, 16), num_cpu_blocks=2)
-    add(manager, "a", list(range(12)))
+    rig = make(num_cpu_blocks=2)
+    manager = rig.manager
+    add(rig, "a", list(range(12)))
     with pytest.raises(OutOfBlocksError, match="cpu blocks: asked for 3, 2 available"):
         manager.swap_out("a")
-    assert not manager.is_swapped("a")
+    assert not manager.is_swapped("a") and not manager.plan()
     no_cpu_pool = BlockManager(num_blocks=8, block_size=4)
     no_cpu_pool.add_sequence("x", [1])
     with pytest.raises(OutOfBlocksError, match="cpu blocks: asked for 1, 0 available"):
@@ -299,17 +335,19 @@ def test_swap_needs_room_in_the_cpu_pool():
 
 
 def test_free_of_a_swapped_sequence_releases_cpu_blocks():
-    manager = make()
-    add(manager, "a", list(range(5)))
+    rig = make()
+    manager = rig.manager
+    add(rig, "a", list(range(5)))
     manager.swap_out("a")
     manager.free("a")
     assert manager.cpu_allocator.num_used_blocks == 0 and len(manager) == 0
 
 
 def test_batch_tensors():
-    manager = make()
-    add(manager, "a", list(range(9)))
-    add(manager, "b", [50, 51])
+    rig = make()
+    manager = rig.manager
+    add(rig, "a", list(range(9)))
+    add(rig, "b", [50, 51])
     batch = manager.build_batch(["b", "a"], [2, 3], pad_tokens_to=8, max_blocks=4)
     a, b = manager.block_table("a"), manager.block_table("b")
     assert batch.block_tables.dtype == torch.int32
@@ -356,11 +394,11 @@ def test_batch_tensors_match_a_naive_computation(lens, data):
 @pytest.mark.parametrize("kwargs", [dict(num_query_tokens=3), dict(num_query_tokens=0),
                                     dict(max_blocks=1), dict(pad_tokens_to=0)])
 def test_batch_argument_errors(kwargs):
-    manager = make()
-    add(manager, "a", list(range(6)))
-    add(manager, "b", [1, 2])
+    rig = make()
+    add(rig, "a", list(range(6)))
+    add(rig, "b", [1, 2])
     with pytest.raises(ValueError):
-        manager.build_batch(["a", "b"], **kwargs)
+        rig.manager.build_batch(["a", "b"], **kwargs)
 
 
 def test_many_sequences_grow_the_table_storage():
@@ -375,25 +413,35 @@ def test_many_sequences_grow_the_table_storage():
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_debug_nan_fills_fresh_and_freed_blocks(cache_dtype):
     spec = KVCacheSpec(2, 2, 8, 4, torch.float32, cache_dtype)
-    manager = BlockManager(PagedKVCache(spec, 16), debug_nan=True)
-    key_cache = manager.cache.key_caches[1]
+    rig = make(spec=spec, num_cpu_blocks=0, debug_nan=True)
+    manager, cache = rig.manager, rig.cache
+    key_cache = cache.key_caches[1]
 
     def nan(block: int) -> torch.Tensor:
         return key_cache[block].float().isnan()
 
-    assert nan(PAD_BLOCK).all()
+    assert manager.plan().poison == (PAD_BLOCK,)
+    assert not nan(PAD_BLOCK).any()  # the manager only plans; the executor fills
+    assert rig.run().poison == (PAD_BLOCK,)
+    assert nan(PAD_BLOCK).all() and not manager.plan()
     manager.add_sequence("a", list(range(6)))
-    assert all(nan(b).all() for b in manager.block_table("a"))
+    assert set(manager.plan().poison) == set(manager.block_table("a"))
     batch = manager.build_batch(["a"], 6)
+    rig.run()
+    assert all(nan(b).all() for b in manager.block_table("a"))
     ones = torch.ones(6, 2, 8)
-    scales = manager.cache.k_scales or [None, None]
+    scales = cache.k_scales or [None, None]
     for layer in range(2):
-        reference.reshape_and_cache(ones, ones, *manager.cache.layer(layer), batch.slot_mapping,
+        reference.reshape_and_cache(ones, ones, *cache.layer(layer), batch.slot_mapping,
                                     scales[layer], scales[layer])
     full, partial = manager.block_table("a")
     assert not nan(full).any() and nan(partial)[:, 2:].all()
     manager.free("a")
-    assert not nan(full).any()  # cached: kept for prefix hits
+    assert manager.plan().poison == (partial,)  # cached: kept for prefix hits
+    rig.run()
+    assert not nan(full).any()
     assert nan(partial).all()
     assert manager.evict_cached() == [full]
+    assert manager.plan().poison == (full,)
+    rig.run()
     assert nan(full).all()

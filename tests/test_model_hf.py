@@ -1,8 +1,9 @@
 """pagedkv.model against Hugging Face transformers on the same random weights.
 
 The model runs through the block manager, its cache plans and the paged ops directly (no engine):
-one varlen prefill of every prompt, then batched decode steps. float32 must give HF's greedy tokens exactly;
-bfloat16 logits must be as close to HF's float32 logits as HF's own bfloat16 logits are (x2).
+one varlen prefill of every prompt, then batched decode steps. float32 must give HF's greedy
+tokens exactly; bfloat16 logits must be as close to HF's float32 logits as HF's own bfloat16
+logits are (x2).
 """
 
 from __future__ import annotations

@@ -551,6 +551,8 @@ class BlockManager:
         and ``pad_tokens_to`` the slot_mapping length (padded with -1), e.g. for CUDA graphs.
         """
         try:
+            if isinstance(seq_ids, (str, bytes)):  # one id, not a sequence of ids
+                raise TypeError
             seqs = list(map(self._seqs.__getitem__, seq_ids))
         except (KeyError, TypeError):
             if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):

@@ -79,16 +79,24 @@ class PlanExecutor:
 
     def run(self, manager) -> CachePlan:
         """Apply the manager's pending plan; returns it. Each phase is marked done in the
-        manager right after it ran, so a failure leaves exactly the unfinished phases pending."""
+        manager right after it ran, so a failure leaves exactly the unfinished phases pending.
+        On return the manager's plan is empty (completing the copies can release their sources,
+        which ``debug_nan`` then fills in a second, poison-only pass)."""
         plan = manager.plan()
         if (plan.swap_out or plan.swap_in) and self.cpu_cache is None:
             raise ValueError("the plan swaps blocks but the executor has no cpu_cache")
+        self._run(manager, plan)
+        rest = manager.plan()  # with debug_nan, copy sources the copies released are poisoned
+        if rest:
+            self._run(manager, rest)
+        return plan
+
+    def _run(self, manager, plan: CachePlan) -> None:
         for phase in PHASES:
             work = getattr(plan, phase)
             if work:
                 self.apply(phase, work)
             manager.complete(plan, phase)
-        return plan
 
     def apply(self, phase: str, work: Pairs | tuple[int, ...]) -> None:
         """Apply one phase's pairs (or blocks, for ``poison``) to the tensors."""
