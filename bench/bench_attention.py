@@ -3,9 +3,10 @@
 Each row (sequences x context, 32 query heads / 8 kv heads, head size 128) reports the median
 time, the K/V bytes read per second, that rate as a fraction of the machine's read bandwidth,
 and the speedup over
-  reference   gather each sequence's blocks (pagedkv.reference.gather_kv) + torch SDPA
+  reference   gather each sequence's blocks (pagedkv.ops.reference.gather_kv) + torch SDPA
   contiguous  torch SDPA on a contiguous [seqs, kv_heads, context, head] cache of the same tokens
-Every K/V tensor is allocated as pagedkv.PagedKVCache allocates its caches (pagedkv.cache.zeros_kv:
+Every K/V tensor is allocated as pagedkv.PagedKVCache allocates its caches
+(pagedkv.cache.paged_cache.zeros_kv:
 on the CPU, backed by huge pages where Linux allows it).
 
     python bench/bench_attention.py [--quick] [--device cpu|cuda]
@@ -30,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 import pagedkv
-from pagedkv import reference
-from pagedkv.cache import zeros_kv
+from pagedkv.cache.paged_cache import zeros_kv
+from pagedkv.ops import reference
 
 ROWS = [(8, 2048), (32, 1024), (1, 16384), (64, 512)]
 BLOCK_SIZES = [16, 32]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import pagedkv
 from bench.harness import Row, measure_bandwidth, median_ms, print_table, write_json
-from pagedkv import reference
+from pagedkv.ops import reference
 
 
 @dataclass(frozen=True)

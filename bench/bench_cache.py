@@ -11,7 +11,7 @@ import torch
 
 import pagedkv
 from bench.harness import Row, measure_bandwidth, median_ms, print_table, write_json
-from pagedkv import reference
+from pagedkv.ops import reference
 
 HEADS, HEAD_SIZE, BLOCK = 8, 128, 16
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.allocator import BlockAllocator
-from pagedkv.manager import BlockManager
-from pagedkv.plan import PHASES
+from pagedkv.blocks.allocator import BlockAllocator
+from pagedkv.blocks.manager import BlockManager
+from pagedkv.blocks.plan import PHASES
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16

@@ -33,7 +33,7 @@ class Backend:
 
 def _simt_module():
     try:
-        from pagedkv import simt
+        from pagedkv.ops import simt
     except ImportError:
         return None
     return simt if simt.available() else None

@@ -1,22 +1,44 @@
-"""pagedkv: paged KV cache kernels (CUDA and CPU) and block management for PyTorch."""
+"""pagedkv: paged KV cache kernels (CUDA and CPU) and block management for PyTorch.
 
-from pagedkv import ops, reference
-from pagedkv.allocator import BlockAllocator
-from pagedkv.batch import BatchTensors
-from pagedkv.cache import PagedKVCache
+The package is layered; a module imports only from its own layer and the layers below
+(tests/test_layers.py holds it to that):
+
+=====  =====================  =============================================================
+layer  package                what
+=====  =====================  =============================================================
+0      ``pagedkv.errors``,    the error types; argument checks
+       ``pagedkv.checks``
+1      ``pagedkv.ops``        the kernels as Python functions; ``reference``; ``simt``
+2      ``pagedkv.cache``      ``KVCacheSpec``, ``PagedKVCache``
+3      ``pagedkv.blocks``     allocator, prefix cache, ``BlockManager``, batches, cache plans
+4      ``pagedkv.serving``    the model, the scheduler, ``LLMEngine``
+5      ``pagedkv.tools``      the ``pagedkv`` command, demo, simulator, presets
+=====  =====================  =============================================================
+
+The names below are the public API.
+"""
+
+from pagedkv import ops
+from pagedkv.blocks import (
+    BatchTensors,
+    BlockAllocator,
+    BlockManager,
+    CachePlan,
+    PlanExecutor,
+    PrefixCache,
+    cpu_cache_for,
+)
+from pagedkv.cache import KVCacheSpec, PagedKVCache
 from pagedkv.errors import *  # noqa: F403
 from pagedkv.errors import __all__ as _error_names
-from pagedkv.manager import BlockManager
 from pagedkv.ops import (
     copy_blocks,
     merge_attn_states,
     paged_attention,
+    reference,
     reshape_and_cache,
     swap_blocks,
 )
-from pagedkv.plan import CachePlan, PlanExecutor, cpu_cache_for
-from pagedkv.prefix import PrefixCache
-from pagedkv.spec import KVCacheSpec
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,7 @@ import operator
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from .errors import InvalidArgumentError
+from pagedkv.errors import InvalidArgumentError
 
 __all__ = ["count", "extra_key_bytes", "hashable", "optional_count", "positive", "query_lens",
            "token_ids"]

@@ -1,0 +1,218 @@
+"""Layer 1, the ops: pagedkv's kernels as typed Python functions over ``torch.ops.pagedkv``,
+with ``reference`` (plain PyTorch versions of every op, the tests' oracle) and ``simt`` (the CUDA
+kernel source run on the CPU by the emulator). May import only the base modules
+(``pagedkv.errors``, ``pagedkv.checks``) and the extension modules.
+
+Each op runs the CPU kernels for CPU tensors and the CUDA kernels for CUDA tensors, mutates its
+output arguments in place and returns nothing. Fake implementations are registered so that the
+ops trace under ``torch.compile(fullgraph=True)``.
+
+Index ranges (slots, block ids) are validated on the host for CPU tensors. For CUDA tensors that
+would need a device-to-host copy and a synchronization per call, so it is skipped unless the
+environment variable ``PAGEDKV_CHECK_INDICES=1`` is set when the library loads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv import _C  # noqa: F401  (registers torch.ops.pagedkv)
+
+__all__ = [
+    "copy_blocks",
+    "merge_attn_states",
+    "paged_attention",
+    "reshape_and_cache",
+    "swap_blocks",
+]
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Writes the K/V of new tokens into their cache slots.
+
+    Parameters
+    ----------
+    key, value : Tensor
+        ``[num_tokens, num_kv_heads, head_size]``, float32 / float16 / bfloat16, last dim
+        contiguous (token and head strides are free, e.g. slices of a fused QKV tensor).
+    key_cache, value_cache : Tensor
+        ``[num_blocks, num_kv_heads, block_size, head_size]`` with a contiguous last dim (an NHD
+        permutation or K/V views of one ``[num_blocks, 2, ...]`` tensor work as they are). Same
+        dtype as ``key``, or fp8 (``float8_e4m3fn`` / ``float8_e5m2``) with scales.
+    slot_mapping : Tensor
+        int64 ``[num_tokens]``: ``block_id * block_size + offset``; negative entries are padding.
+    k_scale, v_scale : Tensor, optional
+        float32, one element, required with fp8 caches: stored = saturate(x / scale).
+
+    Example
+    -------
+    >>> kc = torch.zeros(4, 2, 16, 64); vc = torch.zeros_like(kc)
+    >>> k = torch.randn(3, 2, 64); v = torch.randn(3, 2, 64)
+    >>> reshape_and_cache(k, v, kc, vc, torch.tensor([17, 18, -1]))
+    """
+    torch.ops.pagedkv.reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
+    )
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
+) -> None:
+    """Copies blocks within each layer's caches, all layers at once (copy-on-write).
+
+    Parameters
+    ----------
+    key_caches, value_caches : list of Tensor
+        One cache per layer, all of one shape, strides, dtype and device.
+    block_mapping : Tensor
+        int64 ``[num_pairs, 2]`` rows of (src, dst) on the caches' device. Destinations must be
+        distinct and must not also be sources (the pairs are copied concurrently).
+    """
+    torch.ops.pagedkv.copy_blocks(key_caches, value_caches, block_mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copies whole blocks from ``src`` to ``dst``: GPU <-> CPU, or within one device.
+
+    Parameters
+    ----------
+    src, dst : Tensor
+        ``[num_blocks, ...]`` caches of one dtype and one block layout; the block counts may
+        differ. Each block must be stored densely. Use pinned CPU memory for asynchronous copies.
+    block_mapping : Tensor
+        int64 ``[num_pairs, 2]`` rows of (src block, dst block), on the CPU.
+    """
+    torch.ops.pagedkv.swap_blocks(src, dst, block_mapping)
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    max_seq_len: int,
+    max_query_len: int,
+    scale: float,
+    alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int = -1,
+    soft_cap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+) -> None:
+    """Attention of each query token over its sequence's paged K/V cache, written into ``out``.
+
+    Sequence ``i`` has ``seq_lens[i]`` keys at positions ``0 .. seq_lens[i] - 1``; its query
+    tokens are its last ``q_len_i`` positions and attend causally. logit = scale * q.k, then
+    the soft cap ``soft_cap * tanh(logit / soft_cap)``, then ALiBi ``slope * (key_pos -
+    query_pos)``; a query at position ``p`` sees keys ``p - sliding_window < key_pos <= p``.
+
+    Parameters
+    ----------
+    out : Tensor
+        ``[num_tokens, num_heads, head_size]``, query's dtype; written. Last dim contiguous.
+    query : Tensor
+        ``[num_tokens, num_heads, head_size]``, float32 / float16 / bfloat16, last dim
+        contiguous. head_size a multiple of 8 up to 256.
+    key_cache, value_cache : Tensor
+        ``[num_blocks, num_kv_heads, block_size, head_size]``, last dim contiguous, any other
+        strides (NHD views, K/V views of one combined tensor). query's dtype, or fp8
+        (``float8_e4m3fn`` / ``float8_e5m2``) dequantized as ``x * k_scale`` / ``x * v_scale``.
+        num_heads must be a multiple of num_kv_heads (GQA, MQA); block_size 1 to 256.
+    block_tables : Tensor
+        int32 ``[num_seqs, max_blocks_per_seq]``. Only the entries of blocks holding a key that
+        some query attends are read (``ceil(seq_len / block_size)`` entries, fewer with a
+        sliding window); the rest may hold anything (padding such as -1).
+    seq_lens : Tensor
+        int32 ``[num_seqs]``, the context length including the query tokens. In decode, 0 marks
+        an empty sequence: its output is 0 and its lse -inf.
+    query_start_loc : Tensor, optional
+        int32 ``[num_seqs + 1]``, the cumulative query lengths (``[0] = 0``, ``[-1] =
+        num_tokens``), for chunked prefill, prefill over a cached prefix or speculative
+        verification. None: decode, token ``i`` is the single query of sequence ``i``.
+    max_seq_len, max_query_len : int
+        Upper bounds of ``seq_lens`` and of the query lengths (1 in decode), host ints.
+    scale : float
+        Multiplier of q.k, usually ``head_size ** -0.5``.
+    alibi_slopes : Tensor, optional
+        float32 ``[num_heads]``.
+    sliding_window : int
+        Keys within this many positions of the query (the query's own included); -1 = all.
+    soft_cap : float
+        Logit soft cap; 0 = off.
+    k_scale, v_scale : Tensor, optional
+        float32, one element each; required with fp8 caches, rejected otherwise.
+    lse_out : Tensor, optional
+        float32 ``[num_tokens, num_heads]``; written with the natural-log log-sum-exp of each
+        row's logits (after soft cap and ALiBi), for :func:`merge_attn_states`.
+
+    Example
+    -------
+    >>> kc = torch.randn(8, 2, 16, 64); vc = torch.randn_like(kc)
+    >>> q = torch.randn(2, 8, 64); out = torch.empty_like(q)
+    >>> tables = torch.tensor([[3, 1], [5, -1]], dtype=torch.int32)
+    >>> lens = torch.tensor([20, 7], dtype=torch.int32)
+    >>> paged_attention(out, q, kc, vc, tables, lens, None, 20, 1, 64 ** -0.5)
+    """
+    torch.ops.pagedkv.paged_attention(
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        max_seq_len, max_query_len, scale, alibi_slopes, sliding_window, soft_cap, k_scale,
+        v_scale, lse_out,
+    )
+
+
+def merge_attn_states(
+    out: torch.Tensor,
+    out_lse: torch.Tensor | None,
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+) -> None:
+    """Combines two attentions over disjoint key sets (shared prefix / suffix, split-K).
+
+    ``out = (e^lp * prefix_out + e^ls * suffix_out) / (e^lp + e^ls)`` and ``out_lse =
+    log(e^lp + e^ls)``, computed stably in float32. An lse of -inf marks an empty part, whose
+    output row is ignored; both empty gives zeros and -inf. ``out`` may be one of the inputs.
+
+    Parameters
+    ----------
+    out : Tensor
+        ``[num_tokens, num_heads, head_size]``, float32 / float16 / bfloat16, last dim
+        contiguous; written. head_size a multiple of 8 up to 256.
+    out_lse : Tensor, optional
+        float32 ``[num_tokens, num_heads]``, any strides; written.
+    prefix_out, suffix_out : Tensor
+        Like ``out`` (same shape and dtype), the two partial results.
+    prefix_lse, suffix_lse : Tensor
+        float32 ``[num_tokens, num_heads]``, any strides (a transposed ``[num_heads,
+        num_tokens]`` tensor's ``.T`` works), as written by :func:`paged_attention`.
+    """
+    torch.ops.pagedkv.merge_attn_states(
+        out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse
+    )
+
+
+def register_fakes(namespace: str) -> None:
+    """Registers the shape-only implementations of every op in ``torch.ops.<namespace>``."""
+
+    def nothing(*args, **kwargs) -> None:
+        return None
+
+    for name in ("reshape_and_cache", "copy_blocks", "swap_blocks", "paged_attention",
+                 "merge_attn_states"):
+        torch.library.register_fake(f"{namespace}::{name}")(nothing)
+
+
+register_fakes("pagedkv")

@@ -1,0 +1,284 @@
+"""A Llama-architecture decoder whose attention reads and writes a paged KV cache.
+
+It loads the state dict of a Hugging Face ``LlamaForCausalLM`` (the parameter names are the same)
+and computes what that model computes: RMSNorm, rotary embeddings (default or llama3 scaling), GQA
+attention, SwiGLU MLP, tied or untied lm_head. Inputs are flat: the query tokens of every sequence
+of a batch one after another, ``[num_tokens]``, with their positions. Each layer writes the new
+tokens' K/V with ``reshape_and_cache`` and attends with ``paged_attention`` over the blocks of the
+``BlockManager`` batch (varlen causal when a sequence has several query tokens, decode otherwise).
+``transformers`` is not needed to use it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv import ops
+from pagedkv.blocks.batch import BatchTensors
+from pagedkv.cache.paged_cache import PagedKVCache
+from pagedkv.cache.spec import KVCacheSpec
+
+__all__ = ["LlamaForCausalLM", "ModelConfig"]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The hyperparameters of a Llama decoder (names as in ``transformers.LlamaConfig``)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3", "factor": ..., ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, config: Any) -> ModelConfig:
+        """From a ``transformers.LlamaConfig`` (v5 ``rope_parameters`` or older ``rope_theta``)."""
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+        rope = dict(rope or {})
+        theta = rope.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        eos = config.eos_token_id
+        if (act := getattr(config, "hidden_act", "silu")) != "silu":
+            raise ValueError(f"only hidden_act='silu' is supported, got {act!r}")
+        return cls(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=getattr(config, "head_dim", None), rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(theta), rope_scaling=scaling,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(config.tie_word_embeddings),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype = torch.float32,
+                      cache_dtype: torch.dtype | None = None) -> KVCacheSpec:
+        """The spec of this model's KV cache."""
+        return KVCacheSpec(self.num_hidden_layers, self.num_key_value_heads, self.head_dim,
+                           block_size, dtype, cache_dtype)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 like Hugging Face's LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]``: theta^(-2i/d), with llama3 scaling if configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise ValueError(f"unsupported rope scaling {scaling!r} (only llama3)")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding of the two halves of each head (Hugging Face's rotate_half)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 ``[T]``; q ``[T, H, D]``, k ``[T, Hkv, D]``."""
+        freqs = positions[:, None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged cache of one layer."""
+
+    kernels: Any = ops  # pagedkv.ops, or a torch.ops namespace with the same schemas
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                cache: PagedKVCache, batch: BatchTensors) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]``; writes the T tokens' K/V to their slots."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        key_cache, value_cache = cache.layer(self.layer)
+        k_scale = cache.k_scales[self.layer] if cache.k_scales else None
+        v_scale = cache.v_scales[self.layer] if cache.v_scales else None
+        kernels = self.kernels
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale,
+                                  v_scale)
+        out = torch.empty_like(q)
+        query_start_loc = batch.query_start_loc if batch.max_query_len > 1 else None
+        kernels.paged_attention(out, q, key_cache, value_cache, batch.block_tables,
+                                batch.seq_lens, query_start_loc, batch.max_seq_len,
+                                batch.max_query_len, self.scale, None, -1, 0.0, k_scale, v_scale,
+                                None)
+        return self.o_proj(out.view(n, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                cache: PagedKVCache, batch: BatchTensors) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                batch: BatchTensors) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary_emb, cache, batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder over a paged KV cache, with Hugging Face's parameter names.
+
+    Example
+    -------
+    >>> model = LlamaForCausalLM.from_hf(hf_model)      # a transformers LlamaForCausalLM
+    >>> cache = PagedKVCache(model.config.kv_cache_spec(16), num_blocks=64)
+    >>> manager = BlockManager(cache.num_blocks, cache.spec.block_size)
+    >>> manager.add_sequence(0, prompt)
+    >>> batch = manager.build_batch([0], len(prompt))  # no plan to run: nothing was copied
+    >>> logits = model(torch.tensor(prompt), torch.arange(len(prompt)), cache, batch)
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+        """The same model as a ``transformers.LlamaForCausalLM``, with a copy of its weights."""
+        model = cls(ModelConfig.from_hf(hf_model.config))
+        model.load_hf_state_dict(hf_model.state_dict())
+        param = next(hf_model.parameters())
+        return model.to(device=param.device, dtype=dtype or param.dtype).eval()
+
+    def use_kernels(self, kernels: Any) -> LlamaForCausalLM:
+        """Run the cache ops from ``kernels``: ``pagedkv.ops`` (default) or a ``torch.ops``
+        namespace with pagedkv's schemas, e.g. ``pagedkv.ops.simt.ops`` (the CUDA kernel source
+        emulated on the CPU)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.kernels = kernels
+        return self
+
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load a Hugging Face ``LlamaForCausalLM`` state dict (``lm_head`` optional if tied)."""
+        state = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+        if self.config.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        self.load_state_dict(state, strict=True)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                batch: BatchTensors, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[len(logits_indices) or T, vocab]`` of the query tokens.
+
+        input_ids, positions: int64 ``[T]``, the query tokens of ``batch`` in its order.
+        logits_indices: which of the T tokens need logits (e.g. the last of each sequence).
+        """
+        hidden = self.model(input_ids, positions, cache, batch)
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
+        return self.lm_head(hidden)
+

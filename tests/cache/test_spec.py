@@ -1,0 +1,98 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv.cache.paged_cache import PagedKVCache, _advise_huge_pages, zeros_kv
+from pagedkv.cache.spec import KVCacheSpec
+
+
+def test_sizes_follow_the_formula():
+    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_size=128, block_size=16,
+                       dtype=torch.bfloat16)
+    assert spec.kv_dtype == torch.bfloat16
+    assert spec.bytes_per_token == 2 * 32 * 8 * 128 * 2
+    assert spec.bytes_per_block == spec.bytes_per_token * 16
+    assert spec.kv_cache_bytes(4096, batch=8) == 2 * 32 * 8 * 128 * 4096 * 8 * 2
+    assert spec.blocks_for_tokens(17) == 2
+    assert spec.num_blocks_for(10 * spec.bytes_per_block + 1) == 10
+    assert spec.num_blocks_for(-5) == 0
+
+
+@pytest.mark.parametrize("cache_dtype, size", [
+    (None, 2), (torch.float32, 4), (torch.float8_e4m3fn, 1), (torch.float8_e5m2, 1)])
+def test_cache_dtype_sets_element_size(cache_dtype, size):
+    spec = KVCacheSpec(2, 2, 8, 4, torch.float16, cache_dtype)
+    assert spec.element_size == size
+    assert spec.is_fp8 == (size == 1)
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_size", "block_size"])
+def test_rejects_non_positive_sizes(field):
+    args = dict(num_layers=2, num_kv_heads=2, head_size=8, block_size=4)
+    args[field] = 0
+    with pytest.raises(ValueError, match=field):
+        KVCacheSpec(**args)
+
+
+def test_rejects_unsupported_cache_dtype():
+    with pytest.raises(ValueError, match="cache dtype"):
+        KVCacheSpec(2, 2, 8, 4, torch.float16, torch.int8)
+
+
+@pytest.mark.parametrize("combined", [False, True])
+def test_cache_tensors_have_the_documented_layout(combined):
+    spec = KVCacheSpec(3, 2, 8, 4, torch.float16)
+    cache = PagedKVCache(spec, 10, combined_kv=combined)
+    assert len(cache.key_caches) == len(cache.value_caches) == 3
+    for key, value in zip(cache.key_caches, cache.value_caches, strict=True):
+        assert key.shape == value.shape == (10, 2, 4, 8)
+        assert key.dtype == torch.float16 and key.stride(-1) == 1
+    assert cache.nbytes == 10 * spec.bytes_per_block
+    assert cache.k_scales is None
+
+
+def test_from_memory_and_fp8_scales():
+    spec = KVCacheSpec(2, 2, 8, 4, torch.float16, torch.float8_e4m3fn)
+    cache = PagedKVCache.from_memory(spec, 5 * spec.bytes_per_block + 7)
+    assert cache.num_blocks == 5
+    assert [s.item() for s in cache.k_scales] == [1.0, 1.0]
+    assert cache.v_scales[0].dtype == torch.float32 and cache.v_scales[0].shape == (1,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
+@pytest.mark.parametrize("combined", [False, True])
+def test_fill_blocks_writes_nan_only_there(dtype, combined):
+    cache = PagedKVCache(KVCacheSpec(2, 2, 8, 4, torch.float32, dtype), 6, combined_kv=combined)
+    cache.fill_blocks([1, 4])
+    for tensor in (*cache.key_caches, *cache.value_caches):
+        nan = tensor.float().isnan().flatten(1).all(dim=1)
+        assert nan.tolist() == [False, True, False, False, True, False]
+
+
+def test_copy_and_swap_blocks_move_every_layer():
+    spec = KVCacheSpec(2, 2, 8, 4, torch.float32)
+    device, host = PagedKVCache(spec, 6), PagedKVCache(spec, 4)
+    for i, tensor in enumerate((*device.key_caches, *device.value_caches)):
+        tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(i)))
+    device.copy_blocks([(1, 5), (2, 3)])
+    device.swap_to(host, [(5, 0)])
+    for src, dst in zip(device.key_caches + device.value_caches,
+                        host.key_caches + host.value_caches, strict=True):
+        assert torch.equal(src[5], src[1]) and torch.equal(src[3], src[2])
+        assert torch.equal(dst[0], src[1])
+
+
+def test_zeros_kv_is_zeroed_and_backed_by_huge_pages_where_linux_allows():
+    # Filled with garbage first, so that a fresh tensor at the same address shows any unzeroed
+    # element.
+    torch.full((4 << 20,), 7.0).sum()
+    t = zeros_kv((33, 2, 16, 128), torch.bfloat16)  # 2.1 MB: at least one whole 2 MiB page
+    assert t.shape == (33, 2, 16, 128) and t.dtype == torch.bfloat16 and not t.any()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if sys.platform.startswith("linux") and thp.exists():
+        big = torch.empty(8 << 20, dtype=torch.uint8)  # whole 2 MiB pages inside it
+        assert _advise_huge_pages(big)
+    assert not _advise_huge_pages(torch.empty(16))  # no whole huge page inside

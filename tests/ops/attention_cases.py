@@ -1,0 +1,150 @@
+"""Attention test cases: random paged inputs, the reference at two precisions, the tolerance rule.
+
+A case is built on the CPU (so that every backend sees the same numbers) and moved to the
+backend's device. The kernel must be within twice the reference's own float32 error (both
+measured against the float64 reference) plus a small floor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from pagedkv.ops import reference
+
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+OP_ARGS = [
+    "out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc",
+    "max_seq_len", "max_query_len", "scale", "alibi_slopes", "sliding_window", "soft_cap",
+    "k_scale", "v_scale", "lse_out",
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    seq_lens: tuple[int, ...] = (1, 17, 100, 33)
+    q_lens: tuple[int, ...] | None = None  # None: decode
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_size: int = 64
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+    cache_dtype: torch.dtype | None = None  # None: dtype
+    layout: str = "hnd"
+    alibi: bool = False
+    sliding_window: int = -1
+    soft_cap: float = 0.0
+    lse: bool = True
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def with_(self, **kw) -> Case:
+        return replace(self, **kw)
+
+
+def make_caches(layout, num_blocks, num_kv_heads, block_size, head_size):
+    """float32 K and V caches in a storage layout: hnd, nhd (permuted view) or combined."""
+    if layout == "hnd":
+        shape = (num_blocks, num_kv_heads, block_size, head_size)
+        return torch.randn(shape), torch.randn(shape)
+    if layout == "nhd":
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        return torch.randn(shape).permute(0, 2, 1, 3), torch.randn(shape).permute(0, 2, 1, 3)
+    if layout == "combined":
+        kv = torch.randn(num_blocks, 2, num_kv_heads, block_size, head_size)
+        return kv[:, 0], kv[:, 1]
+    raise ValueError(layout)
+
+
+def make_args(case: Case, device: torch.device | str = "cpu") -> dict:
+    """The op's arguments for a case, out and lse_out poisoned with NaN."""
+    bs = case.block_size
+    cache_dtype = case.cache_dtype or case.dtype
+    decode = case.q_lens is None
+    q_lens = [1] * len(case.seq_lens) if decode else list(case.q_lens)
+    blocks = [math.ceil(n / bs) for n in case.seq_lens]
+    max_blocks = max(blocks + [1]) + 1  # one padding column at least
+    num_blocks = sum(blocks) + 3
+    perm = torch.randperm(num_blocks).tolist()
+    table = torch.full((len(case.seq_lens), max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = torch.tensor(perm[used:used + n], dtype=torch.int32)
+        used += n
+    kc, vc = make_caches(case.layout, num_blocks, case.num_kv_heads, bs, case.head_size)
+    k_scale = v_scale = None
+    if cache_dtype in FP8_DTYPES:
+        k_scale, v_scale = torch.tensor([0.05]), torch.tensor([0.02])
+        kc, vc = kc * 0.05 * 4, vc * 0.02 * 4  # values that use the fp8 range after / scale
+    kc = reference.quantize(kc, cache_dtype, k_scale)  # keeps the layout's strides
+    vc = reference.quantize(vc, cache_dtype, v_scale)
+    if case.layout == "combined":  # keep K and V views of one tensor
+        kv = torch.stack([kc, vc], dim=1)
+        kc, vc = kv[:, 0], kv[:, 1]
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens, case.num_heads, case.head_size).to(case.dtype)
+    qsl = None
+    if not decode:
+        qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    args = dict(
+        out=torch.full_like(query, float("nan")),
+        query=query,
+        key_cache=kc,
+        value_cache=vc,
+        block_tables=table,
+        seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32),
+        query_start_loc=qsl,
+        max_seq_len=max(case.seq_lens + (0,)),
+        max_query_len=max(q_lens + [1]),
+        scale=case.head_size**-0.5,
+        alibi_slopes=torch.rand(case.num_heads) * 0.3 + 0.01 if case.alibi else None,
+        sliding_window=case.sliding_window,
+        soft_cap=case.soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        lse_out=torch.full((num_tokens, case.num_heads), float("nan")) if case.lse else None,
+    )
+    args.update(case.extra)
+    return to_device(args, device)
+
+
+def to_device(args: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def call(op, args: dict) -> None:
+    op(*[args[name] for name in OP_ARGS])
+
+
+def reference_outputs(args: dict, compute_dtype: torch.dtype):
+    """(out, lse) of the reference computed in compute_dtype, on the CPU, as float64. out is
+    rounded to the op's out dtype, except for the float64 oracle."""
+    a = to_device(args, "cpu")
+    out_dtype = torch.float64 if compute_dtype == torch.float64 else a["out"].dtype
+    a["out"] = torch.empty(a["out"].shape, dtype=out_dtype)
+    a["lse_out"] = torch.empty(a["query"].shape[:2])
+    reference.paged_attention(*[a[name] for name in OP_ARGS], compute_dtype=compute_dtype)
+    return a["out"].double(), a["lse_out"].double()
+
+
+def max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest |actual - expected|, where -inf == -inf counts as 0 and any NaN as inf."""
+    a, e = actual.cpu().double(), expected.cpu().double()
+    both_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
+    diff = torch.where(both_inf, torch.zeros_like(a), (a - e).abs())
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+    return diff.max().item() if diff.numel() else 0.0
+
+
+def check(args: dict) -> None:
+    """The kernel's out / lse_out (already computed in args) against the float64 reference."""
+    want, want_lse = reference_outputs(args, torch.float64)
+    torch_out, torch_lse = reference_outputs(args, torch.float32)
+    floor = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}[args["out"].dtype]
+    err, torch_err = max_err(args["out"], want), max_err(torch_out, want)
+    assert err <= 2 * torch_err + floor, f"out error {err:.3g}, torch's {torch_err:.3g}"
+    if args["lse_out"] is not None:
+        err, torch_err = max_err(args["lse_out"], want_lse), max_err(torch_lse, want_lse)
+        assert err <= 2 * torch_err + 2e-5, f"lse error {err:.3g}, torch's {torch_err:.3g}"

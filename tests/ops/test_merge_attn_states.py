@@ -1,0 +1,128 @@
+"""merge_attn_states on every backend: against pagedkv.ops.reference, and as the inverse of
+splitting a context in two (attention over the halves, merged, equals attention over the whole)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_cases import FLOAT_DTYPES, Case, call, check, make_args, max_err
+
+from pagedkv.ops import reference
+
+TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def make_parts(num_tokens, num_heads, head_size, dtype, device, empty_fraction=0.2):
+    """Two partial results with random lse, some of each -inf (empty parts), NaN-poisoned outs."""
+    parts = [torch.randn(num_tokens, num_heads, head_size).to(dtype) for _ in range(2)]
+    lses = [torch.randn(num_tokens, num_heads) * 3 for _ in range(2)]
+    for lse in lses:
+        lse[torch.rand(num_tokens, num_heads) < empty_fraction] = float("-inf")
+    out = torch.full_like(parts[0], float("nan"))
+    out_lse = torch.full((num_tokens, num_heads), float("nan"))
+    args = [out, out_lse, parts[0], lses[0], parts[1], lses[1]]
+    return [t.to(device) for t in args]
+
+
+@pytest.mark.parametrize("head_size", [8, 64, 80, 128, 256])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_matches_reference(backend, dtype, head_size):
+    args = make_parts(37, 5, head_size, dtype, backend.device)
+    backend.ops.merge_attn_states(*args)
+    want = [torch.empty_like(args[0].cpu()), torch.empty_like(args[1].cpu())]
+    reference.merge_attn_states(*want, *[t.cpu() for t in args[2:]])
+    assert max_err(args[0], want[0]) <= TOLERANCE[dtype]
+    assert max_err(args[1], want[1]) <= 1e-5
+
+
+def test_both_empty_gives_zeros_and_minus_inf(backend):
+    args = make_parts(4, 2, 16, torch.float32, backend.device, empty_fraction=0.0)
+    args[3][1:3] = float("-inf")
+    args[5][1:3] = float("-inf")
+    args[2][1:3] = float("nan")  # rows of empty parts are never read
+    backend.ops.merge_attn_states(*args)
+    assert torch.equal(args[0][1:3].cpu(), torch.zeros(2, 2, 16))
+    assert torch.isneginf(args[1][1:3]).all()
+    assert not torch.isnan(args[0]).any()
+
+
+def test_without_out_lse_and_in_place(backend):
+    args = make_parts(9, 4, 64, torch.bfloat16, backend.device)
+    want = [torch.empty_like(args[0].cpu()), torch.empty_like(args[1].cpu())]
+    reference.merge_attn_states(*want, *[t.cpu() for t in args[2:]])
+    prefix = args[2]
+    backend.ops.merge_attn_states(prefix, None, *args[2:])  # out is prefix_out
+    assert max_err(prefix, want[0]) <= TOLERANCE[torch.bfloat16]
+
+
+def test_strided_lse(backend):
+    """lse tensors laid out [num_heads, num_tokens] and passed transposed."""
+    args = make_parts(11, 3, 32, torch.float16, backend.device)
+    for i in (1, 3, 5):
+        args[i] = args[i].T.contiguous().T
+    want = [torch.empty_like(args[0].cpu()), torch.empty(11, 3)]
+    reference.merge_attn_states(*want, *[t.cpu() for t in args[2:]])
+    backend.ops.merge_attn_states(*args)
+    assert max_err(args[0], want[0]) <= TOLERANCE[torch.float16]
+    assert max_err(args[1], want[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("split", [16, 48, 112])
+def test_merging_the_halves_of_a_context(backend, dtype, split):
+    """Decode over keys [0, split) and [split, L) as two sequences (split at a block boundary),
+    merged, against decode over the whole context."""
+    dev = backend.device
+    whole = make_args(Case(seq_lens=(130, 130), num_heads=8, num_kv_heads=2, block_size=16,
+                           dtype=dtype), dev)
+    call(backend.ops.paged_attention, whole)
+    check(whole)
+    bs = 16
+    table = whole["block_tables"]
+    halves = []
+    for lens, tab in (((split, split), table[:, : split // bs]),
+                      ((130 - split,) * 2, table[:, split // bs:])):
+        part = dict(whole)
+        part["block_tables"] = tab.contiguous()
+        part["seq_lens"] = torch.tensor(lens, dtype=torch.int32, device=dev)
+        part["out"] = torch.full_like(whole["out"], float("nan"))
+        part["lse_out"] = torch.full_like(whole["lse_out"], float("nan"))
+        call(backend.ops.paged_attention, part)
+        halves.append(part)
+    out = torch.full_like(whole["out"], float("nan"))
+    lse = torch.full_like(whole["lse_out"], float("nan"))
+    backend.ops.merge_attn_states(out, lse, halves[0]["out"], halves[0]["lse_out"],
+                                  halves[1]["out"], halves[1]["lse_out"])
+    assert max_err(out, whole["out"]) <= 2 * TOLERANCE[dtype]
+    assert max_err(lse, whole["lse_out"]) <= 1e-5
+
+
+def test_opcheck(backend):
+    args = make_parts(6, 4, 16, torch.bfloat16, backend.device)
+    torch.library.opcheck(backend.ops.merge_attn_states.default, tuple(args))
+
+
+BAD = {
+    "out dtype": (lambda a: a.__setitem__(0, a[0].double()), "out must be float32"),
+    "prefix dtype": (lambda a: a.__setitem__(2, a[2].half()), "prefix_out must have out's dtype"),
+    "suffix shape": (lambda a: a.__setitem__(4, a[4][:, :2]), "suffix_out must have out's shape"),
+    "lse dtype": (lambda a: a.__setitem__(3, a[3].double()), "prefix_lse must be float32"),
+    "lse shape": (lambda a: a.__setitem__(5, a[5][:3]), "suffix_lse must be \\[num_tokens"),
+    "out_lse shape": (lambda a: a.__setitem__(1, a[1][:, :1]), "out_lse must be"),
+    "last dim": (lambda a: a.__setitem__(0, a[0].transpose(0, 2).contiguous().transpose(0, 2)),
+                 "out must have a contiguous last"),
+    "head size": (lambda a: [a.__setitem__(i, a[i][..., :12]) for i in (0, 2, 4)],
+                  "head_size must be a multiple of 8"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_rejects_bad_input(backend, name):
+    args = make_parts(6, 4, 16, torch.float32, "cpu")
+    mutate, message = BAD[name]
+    mutate(args)
+    args = [t.to(backend.device) for t in args]
+    out, out_lse = args[0], args[1]
+    with pytest.raises(RuntimeError, match=message):
+        backend.ops.merge_attn_states(*args)
+    assert torch.isnan(out).all() and torch.isnan(out_lse).all()

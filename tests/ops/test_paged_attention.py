@@ -1,0 +1,323 @@
+"""paged_attention on every backend against pagedkv.ops.reference (float64 oracle, float32 as the
+measure of torch's own error). The grids are module-level lists: trim them for slow backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_cases import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    OP_ARGS,
+    Case,
+    call,
+    check,
+    make_args,
+    max_err,
+    to_device,
+)
+
+HEAD_SIZES = [64, 80, 96, 112, 128, 192, 256, 8, 24]
+BLOCK_SIZES = [1, 3, 16, 256]
+GROUPS = [(4, 4), (8, 2), (16, 2), (8, 1)]  # (num_heads, num_kv_heads): ratios 1, 4, 8, MQA
+FEATURES = {
+    "plain": {},
+    "alibi": dict(alibi=True),
+    "window": dict(sliding_window=7),
+    "window-long": dict(sliding_window=40),
+    "softcap": dict(soft_cap=5.0),
+    "all": dict(alibi=True, sliding_window=24, soft_cap=8.0),
+}
+# (seq_lens, q_lens): decode rows (q 1), whole prefills (q = seq), chunks over a cached prefix.
+VARLEN = ((1, 40, 97, 33, 64, 5), (1, 40, 9, 33, 1, 2))
+DECODE = Case()
+
+
+def run(backend, case: Case, **extra) -> dict:
+    args = make_args(case.with_(extra=extra) if extra else case, backend.device)
+    call(backend.ops.paged_attention, args)
+    check(args)
+    return args
+
+
+def rerun(backend, args: dict, **changes) -> dict:
+    """The op again on the same inputs with some arguments changed, into fresh outputs."""
+    again = dict(args, **changes)
+    again["out"] = torch.full_like(args["out"], float("nan"))
+    if args["lse_out"] is not None:
+        again["lse_out"] = torch.full_like(args["lse_out"], float("nan"))
+    call(backend.ops.paged_attention, again)
+    return again
+
+
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_decode_dtypes_and_head_sizes(backend, dtype, head_size):
+    run(backend, DECODE.with_(dtype=dtype, head_size=head_size))
+
+
+@pytest.mark.parametrize("heads", GROUPS, ids=lambda g: f"{g[0]}q{g[1]}kv")
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_block_sizes_and_gqa(backend, block_size, heads):
+    run(backend, Case(seq_lens=(1, 5, 260, 77), num_heads=heads[0], num_kv_heads=heads[1],
+                      block_size=block_size, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["decode", "varlen"])
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_features(backend, dtype, feature, varlen):
+    case = Case(dtype=dtype, **FEATURES[feature])
+    if varlen:
+        case = case.with_(seq_lens=VARLEN[0], q_lens=VARLEN[1])
+    run(backend, case)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_fp8_caches(backend, dtype, cache_dtype):
+    run(backend, DECODE.with_(dtype=dtype, cache_dtype=cache_dtype, head_size=128))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=str)
+def test_fp8_varlen_with_features(backend, cache_dtype):
+    run(backend, Case(seq_lens=VARLEN[0], q_lens=VARLEN[1], dtype=torch.bfloat16,
+                      cache_dtype=cache_dtype, **FEATURES["all"]))
+
+
+@pytest.mark.parametrize("layout", ["nhd", "combined"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["decode", "varlen"])
+def test_strided_cache_layouts(backend, layout, varlen):
+    case = Case(layout=layout, dtype=torch.float16)
+    if varlen:
+        case = case.with_(seq_lens=VARLEN[0], q_lens=VARLEN[1])
+    run(backend, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_varlen_long_prefill(backend, dtype):
+    """Query tiles: many query tokens per sequence, GQA 8, with a window and soft cap."""
+    run(backend, Case(seq_lens=(300, 150, 7), q_lens=(200, 150, 3), num_heads=16,
+                      num_kv_heads=2, dtype=dtype, sliding_window=100, soft_cap=30.0))
+
+
+@pytest.mark.parametrize("feature", ["plain", "all"])
+def test_long_context_one_sequence(backend, feature):
+    """One long sequence and one kv head: the CPU splits the keys and merges the parts."""
+    run(backend, Case(seq_lens=(3001,), num_heads=4, num_kv_heads=1, head_size=128,
+                      dtype=torch.bfloat16, **FEATURES[feature]))
+    run(backend, Case(seq_lens=(2999, 1500), q_lens=(5, 1), num_heads=4, num_kv_heads=1,
+                      **FEATURES[feature]))
+
+
+def test_empty_sequences_give_zeros_and_minus_inf(backend):
+    args = run(backend, Case(seq_lens=(0, 9, 0, 1), alibi=True))
+    for seq in (0, 2):
+        assert torch.equal(args["out"][seq].cpu(), torch.zeros(8, 64))
+        assert torch.equal(args["lse_out"][seq].cpu(), torch.full((8,), float("-inf")))
+
+
+def test_varlen_sequence_without_queries(backend):
+    run(backend, Case(seq_lens=(10, 20, 5), q_lens=(3, 0, 5)))
+
+
+def test_window_longer_than_context_changes_nothing(backend):
+    case = Case(seq_lens=(50, 3, 17), q_lens=(4, 3, 1), sliding_window=1000)
+    windowed = run(backend, case)
+    plain = rerun(backend, windowed, sliding_window=-1)
+    assert max_err(windowed["out"], plain["out"]) == 0
+
+
+def test_unread_block_table_entries_may_hold_anything(backend):
+    """Entries past ceil(seq_len / block_size), and with a window those of blocks before the
+    window, are never read: garbage there changes nothing."""
+    case = Case(seq_lens=(100, 37), q_lens=(2, 1), sliding_window=20, block_size=8)
+    clean = run(backend, case)
+    table = clean["block_tables"].cpu()
+    table[0, :9] = -7  # blocks 0..8 hold keys 0..71; the first query (98) sees keys 79..
+    table[1, 5:] = 2**30
+    garbage = rerun(backend, clean, block_tables=table.to(backend.device))
+    assert max_err(garbage["out"], clean["out"]) == 0
+
+
+def test_strided_query_out_and_lse(backend):
+    dev = backend.device
+    args = make_args(Case(seq_lens=(1, 17, 100, 33), q_lens=(1, 2, 3, 4)), dev)
+    qkv = torch.randn(10, 3, 8, 64, device=dev)
+    args["query"] = qkv[:, 0]
+    args["out"] = torch.full((10, 3, 8, 64), float("nan"), device=dev)[:, 1]
+    args["lse_out"] = torch.full((8, 10), float("nan"), device=dev).T
+    call(backend.ops.paged_attention, args)
+    check(args)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
+                         ids=str)
+def test_unaligned_cache_rows(backend, cache_dtype):
+    """Cache rows off 16-byte alignment (a slice of a wider last dim): vector loads cannot be
+    used and the CUDA kernels read element by element."""
+    dtype = torch.bfloat16 if cache_dtype in FP8_DTYPES else cache_dtype
+    args = make_args(Case(seq_lens=(1, 17, 100), q_lens=(1, 3, 2), dtype=dtype,
+                          cache_dtype=cache_dtype, alibi=True))
+    for name in ("key_cache", "value_cache"):
+        cache = args[name]
+        wide = torch.zeros(*cache.shape[:3], cache.shape[3] + 1, dtype=cache.dtype)
+        wide[..., 1:] = cache
+        args[name] = wide[..., 1:]
+    args = to_device(args, backend.device)
+    call(backend.ops.paged_attention, args)
+    check(args)
+
+
+def test_no_tokens(backend):
+    args = make_args(Case(seq_lens=(5, 7), q_lens=(0, 0)), backend.device)
+    call(backend.ops.paged_attention, args)
+    assert args["out"].numel() == 0
+
+
+@pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
+def test_cpu_instruction_sets(backend, isa, monkeypatch):
+    """Every compiled instruction set of the CPU kernels (one not on this CPU falls back)."""
+    if backend.name != "cpu":
+        pytest.skip("CPU kernels only")
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", isa)
+    for dtype in (torch.float16, torch.bfloat16):
+        run(backend, Case(dtype=dtype, head_size=80, num_kv_heads=1, **FEATURES["all"]))
+    # bfloat16 V rows are accumulated in pair order (groups of 2 vectors); head sizes with a
+    # single vector left over, and groups of 3 and 2 query heads per kv head (row tiles of 2, 1).
+    for head_size, heads in ((88, (6, 2)), (120, (4, 2)), (72, (3, 1))):
+        run(backend, Case(dtype=torch.bfloat16, head_size=head_size, num_heads=heads[0],
+                          num_kv_heads=heads[1], seq_lens=(1, 33, 70, 129)))
+    # Rows over 256 bytes are taken 16 keys per chunk, not 32: features across those chunks.
+    run(backend, Case(dtype=torch.float32, head_size=96, seq_lens=VARLEN[0], q_lens=VARLEN[1],
+                      **FEATURES["all"]))
+    run(backend, Case(seq_lens=VARLEN[0], q_lens=VARLEN[1], cache_dtype=torch.float8_e4m3fn,
+                      head_size=128, alibi=True, soft_cap=5.0))
+    run(backend, Case(seq_lens=(700, 3), num_heads=2, num_kv_heads=2, head_size=32,
+                      cache_dtype=torch.float8_e5m2))
+
+
+def test_opcheck(backend):
+    args = make_args(Case(seq_lens=(5, 20), q_lens=(2, 3), alibi=True, sliding_window=4,
+                          soft_cap=3.0, dtype=torch.bfloat16), backend.device)
+    op = backend.ops.paged_attention.default
+    torch.library.opcheck(op, tuple(args[k] for k in OP_ARGS))
+
+
+def test_compiles_fullgraph(backend):
+    import pagedkv
+
+    if backend.name != "cpu":
+        pytest.skip("pagedkv.ops wraps torch.ops.pagedkv only")
+    args = make_args(Case(seq_lens=(5, 20), q_lens=(2, 3)), backend.device)
+
+    def step(query, out, lse):
+        pagedkv.ops.paged_attention(out, query * 1, args["key_cache"], args["value_cache"],
+                                    args["block_tables"], args["seq_lens"],
+                                    args["query_start_loc"], 20, 3, 0.125, lse_out=lse)
+        return out.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled(args["query"], args["out"], args["lse_out"])
+    check(args)
+
+
+# --- bad input: a clear error naming the argument, before anything is written -----------------
+
+def _set(name, fn):
+    return lambda a: a.__setitem__(name, fn(a))
+
+
+BAD = {
+    "query dtype": (_set("query", lambda a: a["query"].double()), "query must be float32"),
+    "query rank": (_set("query", lambda a: a["query"][0]), "query must be 3-D"),
+    "query last dim": (_set("query", lambda a: a["query"].transpose(0, 2).contiguous()
+                            .transpose(0, 2)), "query must have a contiguous last"),
+    "out dtype": (_set("out", lambda a: a["out"].half()), "out must have query's dtype"),
+    "out shape": (_set("out", lambda a: a["out"][:, :4]), "out must have query's shape"),
+    "cache dtype": (_set("key_cache", lambda a: a["key_cache"].half()),
+                    "same dtype|must have query's dtype"),
+    "cache vs query dtype": (lambda a: a.update(key_cache=a["key_cache"].half(),
+                                                value_cache=a["value_cache"].half()),
+                             "key_cache must have query's dtype"),
+    "cache head size": (lambda a: a.update(key_cache=a["key_cache"][..., :32],
+                                           value_cache=a["value_cache"][..., :32]),
+                        "head_size 32 must match"),
+    "cache last dim": (lambda a: a.update(key_cache=a["key_cache"].transpose(2, 3),
+                                          value_cache=a["value_cache"].transpose(2, 3)),
+                       "contiguous last"),
+    "head size": (lambda a: a.update(query=a["query"][..., :12], out=a["out"][..., :12],
+                                     key_cache=a["key_cache"][..., :12],
+                                     value_cache=a["value_cache"][..., :12]),
+                  "head_size must be a multiple of 8"),
+    "heads ratio": (lambda a: a.update(query=a["query"][:, :3], out=a["out"][:, :3],
+                                       lse_out=None), "multiple of num_kv_heads"),
+    "fp8 without scale": (lambda a: a.update(key_cache=a["key_cache"].to(torch.float8_e4m3fn),
+                                             value_cache=a["value_cache"].to(
+                                                 torch.float8_e4m3fn)),
+                          "k_scale is required"),
+    "scale without fp8": (_set("k_scale", lambda a: torch.ones(1)), "only used with fp8"),
+    "block_tables dtype": (_set("block_tables", lambda a: a["block_tables"].long()),
+                           "block_tables must be Int"),
+    "block_tables rows": (_set("block_tables", lambda a: a["block_tables"][:2]),
+                          "seq_lens must be \\[num_seqs\\]"),
+    "seq_lens dtype": (_set("seq_lens", lambda a: a["seq_lens"].long()), "seq_lens must be Int"),
+    "query_start_loc dtype": (_set("query_start_loc", lambda a: a["query_start_loc"].long()),
+                              "query_start_loc must be Int"),
+    "query_start_loc size": (_set("query_start_loc", lambda a: a["query_start_loc"][:-1]),
+                             "query_start_loc must be \\[num_seqs \\+ 1\\]"),
+    "query_start_loc first": (_set("query_start_loc", lambda a: a["query_start_loc"] + 1),
+                              "query_start_loc\\[0\\] must be 0"),
+    "query_start_loc last": (_set("query_start_loc", lambda a: torch.tensor(
+        [0, 1, 2, 4, 5], dtype=torch.int32)), "query_start_loc\\[-1\\] must be num_tokens"),
+    "query_start_loc order": (_set("query_start_loc", lambda a: torch.tensor(
+        [0, 1, 0, 5, 10], dtype=torch.int32)), "must be non-decreasing"),
+    "q_len > seq_len": (_set("seq_lens", lambda a: torch.tensor([1, 1, 100, 33],
+                                                                dtype=torch.int32)),
+                        "has 2 query tokens .* but seq_lens\\[1\\] = 1"),
+    "q_len > max_query_len": (_set("max_query_len", lambda a: 3), "more than max_query_len"),
+    "decode token count": (_set("query_start_loc", lambda a: None),
+                           "one token per sequence"),
+    "seq_len > max_seq_len": (_set("max_seq_len", lambda a: 99), "outside \\[0, max_seq_len"),
+    "negative seq_len": (_set("seq_lens", lambda a: torch.tensor([-1, 17, 100, 33],
+                                                                 dtype=torch.int32)),
+                         "seq_lens\\[0\\] = -1"),
+    "block id too large": (lambda a: a["block_tables"].__setitem__((2, 3), 10**6),
+                           "block_tables\\[2, 3\\] = 1000000 is out of range"),
+    "block id negative": (lambda a: a["block_tables"].__setitem__((1, 0), -1),
+                          "block_tables\\[1, 0\\] = -1"),
+    "too few table columns": (_set("block_tables", lambda a: a["block_tables"][:, :3].clone()),
+                              "needs 7 blocks"),
+    "sliding_window": (_set("sliding_window", lambda a: 0), "sliding_window must be -1"),
+    "soft_cap": (_set("soft_cap", lambda a: -1.0), "soft_cap must be 0"),
+    "alibi shape": (_set("alibi_slopes", lambda a: torch.ones(3)), "alibi_slopes must be"),
+    "alibi dtype": (_set("alibi_slopes", lambda a: torch.ones(8).double()),
+                    "alibi_slopes must be Float"),
+    "lse dtype": (_set("lse_out", lambda a: a["lse_out"].double()), "lse_out must be float32"),
+    "lse shape": (_set("lse_out", lambda a: a["lse_out"][:, :2]), "lse_out must be"),
+}
+
+
+# Checks of index contents: made on the host, so on GPUs only with PAGEDKV_CHECK_INDICES=1.
+INDEX_CONTENTS = {
+    "query_start_loc first", "query_start_loc last", "query_start_loc order", "q_len > seq_len",
+    "q_len > max_query_len", "seq_len > max_seq_len", "negative seq_len", "block id too large",
+    "block id negative", "too few table columns",
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_rejects_bad_input(backend, name):
+    if name in INDEX_CONTENTS and backend.device.type != "cpu":
+        pytest.skip("index contents are checked on the host only for host tensors")
+    args = make_args(Case(seq_lens=(1, 17, 100, 33), q_lens=(1, 2, 3, 4)), "cpu")
+    mutate, message = BAD[name]
+    mutate(args)
+    args = {k: v.to(backend.device) if isinstance(v, torch.Tensor) else v
+            for k, v in args.items()}
+    out, lse = args["out"], args["lse_out"]
+    with pytest.raises(RuntimeError, match=message):
+        call(backend.ops.paged_attention, args)
+    assert torch.isnan(out).all()
+    if lse is not None:
+        assert torch.isnan(lse).all()
