@@ -1,27 +1,25 @@
-"""A small inference engine over the paged KV cache: requests, continuous batching, preemption.
+"""The serving loop, and the engine that runs it with a model over the paged KV cache.
 
-Every step the scheduler (1) gives each running request one decode token, preempting the most
-recently admitted requests when blocks run out (swap to the CPU pool, or free and recompute later);
-(2) when nothing was preempted, swaps requests back in and then admits waiting ones, whose prefill
-starts after their prefix-cache hits. All scheduled requests run as one batch: varlen prefill and
-decode together when someone prefills, a pure decode batch otherwise.
+``ServingLoop`` is the one loop of continuous batching: requests come in with an arrival time,
+each ``step()`` asks the ``Scheduler`` for a batch, runs it (``run_batch``), and records what
+happened (tokens, first-token and finish times, preemptions, KV waste) on the loop's clock.
+``LLMEngine`` runs batches with a real model and measures each step's wall time; the simulator
+(``pagedkv.tools.sim``) prices them with a cost model instead. Both share the scheduler, the
+block manager and the request record, so their decisions are the same on the same trace.
 
 Bad requests are refused at ``add_request`` (``generate`` checks its whole batch before queueing
 any of it), so one client's token ids cannot stop the others. A step that raises (a failing
 kernel, say) keeps its scheduled batch in flight: the next ``step()`` applies the rest of the
 cache plan and runs the same batch, so nothing is lost or generated twice. Like the block manager,
-the engine is driven by one thread.
+the loop is driven by one thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import math
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 
@@ -29,237 +27,54 @@ from pagedkv import checks
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.blocks.plan import PlanExecutor, cpu_cache_for
 from pagedkv.cache.paged_cache import PagedKVCache
-from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.model import LlamaForCausalLM
+from pagedkv.serving.scheduler import (
+    EngineConfig,
+    EngineStats,
+    Request,
+    SamplingParams,
+    Scheduler,
+    Status,
+    StepShape,
+)
 
-__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "Request", "SamplingParams", "Status"]
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    """``temperature`` 0 is greedy; generation stops after ``max_tokens`` or at the model's eos."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        self.max_tokens = checks.positive(self.max_tokens, "max_tokens")
-        temperature = self.temperature
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-                math.isfinite(temperature) and temperature >= 0):
-            raise InvalidArgumentError(
-                f"temperature must be a finite number >= 0, got {temperature!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidArgumentError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "Request", "SamplingParams",
+           "ServingLoop", "Status", "StepShape"]
 
 
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
+class ServingLoop:
+    """Continuous batching over a BlockManager; subclasses say how a batch runs (``run_batch``).
 
-
-@dataclass(slots=True, eq=False)
-class Request:
-    request_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_token_ids: list[int] = field(default_factory=list)
-    status: Status = Status.WAITING
-    num_cached_tokens: int = 0  # prefix-cache hits at the last admission
-    num_preemptions: int = 0
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    """Cache and scheduler settings.
-
-    ``num_blocks`` device blocks (or as many as fit in ``kv_cache_bytes``); ``num_cpu_blocks`` > 0
-    preempts by swapping to a CPU pool, else (or when it is full) by freeing and recomputing.
-    ``block_size`` = the longest request with prefix caching off is contiguous max-length
-    reservation: one block per request.
+    Args:
+        config: cache and scheduler settings (``num_blocks`` must be resolved).
+        vocab_size: token ids must be below it (None: any id in [0, 2**63)).
+        max_positions: the longest request (prompt + output) the model takes (None: no limit).
+        eos_token_id: a generated token that ends a request unless ``ignore_eos`` (None: none).
     """
 
-    block_size: int = 16
-    num_blocks: int | None = 256
-    kv_cache_bytes: int | None = None
-    num_cpu_blocks: int = 0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    reserve_null_block: bool = True
-    cache_dtype: torch.dtype | None = None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        self.block_size = checks.positive(self.block_size, "block_size")
-        if self.num_blocks is None and self.kv_cache_bytes is None:
-            raise InvalidArgumentError("EngineConfig needs num_blocks or kv_cache_bytes")
-        if self.num_blocks is not None:
-            self.num_blocks = checks.positive(self.num_blocks, "num_blocks")
-        if self.kv_cache_bytes is not None:
-            self.kv_cache_bytes = checks.positive(self.kv_cache_bytes, "kv_cache_bytes")
-        self.num_cpu_blocks = checks.count(self.num_cpu_blocks, "num_cpu_blocks")
-        self.max_num_seqs = checks.positive(self.max_num_seqs, "max_num_seqs")
-        self.max_num_batched_tokens = checks.positive(self.max_num_batched_tokens,
-                                                      "max_num_batched_tokens")
-        self.seed = checks.count(self.seed, "seed")
-
-
-@dataclass(slots=True)
-class EngineStats:
-    steps: int = 0
-    prefill_tokens: int = 0
-    generated_tokens: int = 0
-    peak_running: int = 0
-    swaps_out: int = 0
-    recomputes: int = 0
-    used_slots: int = 0  # summed over steps: slots of the blocks in use
-    empty_slots: int = 0  # summed over steps: slots of running requests' blocks holding no token
-    seconds: float = 0.0
-
-    @property
-    def kv_waste(self) -> float:
-        """Fraction of the KV slots in use that held no token, averaged over steps."""
-        return self.empty_slots / self.used_slots if self.used_slots else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds else 0.0
-
-
-class Scheduler:
-    """Decides each step's requests and query lengths; owns the request queues."""
-
-    def __init__(self, config: EngineConfig, manager: BlockManager, stats: EngineStats) -> None:
-        self.config, self.manager, self.stats = config, manager, stats
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
-
-    def __bool__(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
-    def schedule(self) -> list[tuple[Request, int]]:
-        """(request, query tokens) for this step, their tokens already in the block manager."""
-        preempted = self._reserve_decodes()
-        scheduled = [(request, 1) for request in self.running]
-        if not preempted or not self.running:
-            scheduled += self._swap_in()
-            if not self.swapped:
-                scheduled += self._admit(sum(q for _, q in scheduled))
-        return scheduled
-
-    def _reserve_decodes(self) -> bool:
-        queue, self.running, preempted = deque(self.running), [], False
-        while queue:
-            request = queue.popleft()
-            while not self.manager.can_append(request.request_id):
-                preempted = True
-                victim = queue.pop() if queue else request
-                self._preempt(victim)
-                if victim is request:
-                    break
-            else:
-                self.manager.append_tokens(request.request_id, request.output_token_ids[-1])
-                self.running.append(request)
-        return preempted
-
-    def _preempt(self, request: Request) -> None:
-        request.num_preemptions += 1
-        try:
-            self.manager.swap_out(request.request_id)
-        except OutOfBlocksError:
-            self.manager.free(request.request_id)
-            request.status = Status.WAITING
-            self.waiting.appendleft(request)
-            self.stats.recomputes += 1
-            return
-        request.status = Status.SWAPPED
-        self.swapped.append(request)
-        self.stats.swaps_out += 1
-
-    def _swap_in(self) -> list[tuple[Request, int]]:
-        scheduled = []
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
-            blocks = len(self.manager.block_table(request.request_id))
-            if not self.manager.allocator.can_allocate(blocks + 1):
-                break
-            self.swapped.popleft()
-            self.manager.swap_in(request.request_id)
-            self.manager.append_tokens(request.request_id, request.output_token_ids[-1])
-            self._run(request)
-            scheduled.append((request, 1))
-        return scheduled
-
-    def _admit(self, num_batched: int) -> list[tuple[Request, int]]:
-        scheduled = []
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            tokens = request.token_ids
-            over_budget = num_batched + len(tokens) > self.config.max_num_batched_tokens
-            if (scheduled and over_budget) or not self.manager.can_allocate(tokens):
-                break
-            self.waiting.popleft()
-            cached = self.manager.add_sequence(request.request_id, tokens)
-            request.num_cached_tokens = cached
-            self._run(request)
-            scheduled.append((request, len(tokens) - cached))
-            num_batched += len(tokens) - cached
-            self.stats.prefill_tokens += len(tokens) - cached
-        return scheduled
-
-    def _run(self, request: Request) -> None:
-        request.status = Status.RUNNING
-        self.running.append(request)
-
-    def finish(self, request: Request) -> None:
-        self.manager.free(request.request_id)
-        request.status = Status.FINISHED
-        self.running.remove(request)
-
-
-class LLMEngine:
-    """Generates for many requests at once with ``model`` over a paged KV cache.
-
-    Example
-    -------
-    >>> engine = LLMEngine(LlamaForCausalLM.from_hf(hf_model), EngineConfig(num_blocks=128))
-    >>> outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
-    """
-
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None) -> None:
-        self.model, self.config = model.eval(), config or EngineConfig()
-        param = next(model.parameters())
-        self.device = param.device
-        spec = model.config.kv_cache_spec(self.config.block_size, param.dtype,
-                                          self.config.cache_dtype)
-        num_blocks = self.config.num_blocks
-        if self.config.kv_cache_bytes is not None:
-            num_blocks = spec.num_blocks_for(self.config.kv_cache_bytes)
-        if num_blocks < 1 + self.config.reserve_null_block:
-            raise InvalidArgumentError(f"a KV budget of {num_blocks} block(s) of "
-                                       f"{spec.bytes_per_block} bytes holds no request")
-        self.cache = PagedKVCache(spec, num_blocks, self.device)
-        num_cpu_blocks = self.config.num_cpu_blocks
-        self.cpu_cache = cpu_cache_for(self.cache, num_cpu_blocks) if num_cpu_blocks else None
-        self.manager = BlockManager(num_blocks, self.config.block_size,
-                                    num_cpu_blocks=num_cpu_blocks,
-                                    enable_prefix_caching=self.config.enable_prefix_caching,
-                                    reserve_null_block=self.config.reserve_null_block)
-        self.executor = PlanExecutor(self.cache, self.cpu_cache)
+    def __init__(self, config: EngineConfig, vocab_size: int | None = None,
+                 max_positions: int | None = None, eos_token_id: int | None = None) -> None:
+        self.config = config
+        if config.num_blocks is None:
+            raise InvalidArgumentError("config.num_blocks must be set for a ServingLoop")
+        self.manager = BlockManager(config.num_blocks, config.block_size,
+                                    num_cpu_blocks=config.num_cpu_blocks,
+                                    enable_prefix_caching=config.enable_prefix_caching,
+                                    reserve_null_block=config.reserve_null_block)
+        self.vocab_size, self.max_positions = vocab_size, max_positions
+        self._eos_token_id = eos_token_id
         self.stats = EngineStats()
-        self.scheduler = Scheduler(self.config, self.manager, self.stats)
-        self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
+        self.scheduler = Scheduler(config, self.manager, self.stats)
+        self.clock = 0.0  # seconds: the sum of the step times so far
+        self.last_shape: StepShape | None = None
+        self.last_seconds = 0.0
         self._ids = itertools.count()
         self._in_flight: list[tuple[Request, int]] | None = None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
 
     @property
     def max_request_tokens(self) -> int:
@@ -271,14 +86,20 @@ class LLMEngine:
         prefix = self.manager.prefix_cache
         return prefix.stats.hit_rate if prefix is not None else 0.0
 
-    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> Request:
-        """Queue a request; it joins the running batch at a coming step.
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Queue a request; it joins the running batch at a coming step. ``arrival_time``
+        (default: now, the loop's clock) is when its latency starts.
 
         Raises InvalidArgumentError, queueing nothing, for a prompt that is empty, not integer
         token ids, holds an id outside the model's vocabulary, or with ``params.max_tokens`` does
         not fit the cache or the model's positions."""
         prompt, params = self._check_request(prompt, params)
-        return self._queue(prompt, params)
+        if arrival_time is not None and not (isinstance(arrival_time, (int, float))
+                                             and not isinstance(arrival_time, bool)
+                                             and arrival_time >= 0):
+            raise InvalidArgumentError(f"arrival_time must be a number >= 0, got {arrival_time!r}")
+        return self._queue(prompt, params, self.clock if arrival_time is None else arrival_time)
 
     def _check_request(self, prompt: Sequence[int], params: SamplingParams | None,
                        name: str = "prompt") -> tuple[list[int], SamplingParams]:
@@ -286,20 +107,22 @@ class LLMEngine:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"params must be SamplingParams, got {params!r}")
-        prompt = checks.token_ids(prompt, name, self.model.config.vocab_size)
+        prompt = checks.token_ids(prompt, name, self.vocab_size)
         if not prompt:
             raise InvalidArgumentError(f"{name} is empty; a request needs at least one token")
         total = len(prompt) + params.max_tokens
-        limit = min(self.max_request_tokens, self.model.config.max_position_embeddings)
+        limit = self.max_request_tokens
+        if self.max_positions is not None:
+            limit = min(limit, self.max_positions)
         if total > limit:
             raise InvalidArgumentError(
                 f"{name}: a request of {len(prompt)} + {params.max_tokens} tokens exceeds the "
                 f"cache ({self.max_request_tokens} tokens) or the model's positions "
-                f"({self.model.config.max_position_embeddings})")
+                f"({self.max_positions})")
         return prompt, params
 
-    def _queue(self, prompt: list[int], params: SamplingParams) -> Request:
-        request = Request(next(self._ids), prompt, params)
+    def _queue(self, prompt: list[int], params: SamplingParams, arrival_time: float) -> Request:
+        request = Request(next(self._ids), prompt, params, arrival_time=float(arrival_time))
         self.scheduler.waiting.append(request)
         return request
 
@@ -320,45 +143,41 @@ class LLMEngine:
         scheduled = self._in_flight
         requests = [request for request, _ in scheduled]
         query_lens = [q for _, q in scheduled]
-        batch = self.manager.build_batch([r.request_id for r in requests], query_lens,
-                                         device=self.device)
-        tokens = [r.token_ids for r in requests]
-        input_ids = [t for seq, q in zip(tokens, query_lens, strict=True) for t in seq[-q:]]
-        positions = [p for seq, q in zip(tokens, query_lens, strict=True)
-                     for p in range(len(seq) - q, len(seq))]
-        self.executor.run(self.manager)
-        with torch.inference_mode():
-            logits = self.model(torch.tensor(input_ids, device=self.device),
-                                torch.tensor(positions, device=self.device), self.cache, batch,
-                                batch.query_start_loc[1:].long() - 1)
-        next_tokens = self._sample(logits, requests)
+        plan = self.manager.plan()
+        shape = StepShape.of([len(r.prompt_token_ids) + len(r.output_token_ids)
+                              for r in requests], query_lens,
+                             len(plan.swap_out) + len(plan.swap_in))
+        next_tokens, seconds = self.run_batch(requests, query_lens, shape, start)
         self._in_flight = None
+        self.last_shape, self.last_seconds = shape, seconds
+        self.clock += seconds
+        self.stats.seconds += seconds
+        self.stats.swapped_blocks += shape.swap_blocks
         self._record(requests)
         finished = [r for r, t in zip(requests, next_tokens, strict=True) if self._append(r, t)]
         for request in finished:
+            request.finish_time = self.clock
             self.scheduler.finish(request)
-        self.stats.seconds += time.perf_counter() - start
         return finished
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        temperatures = torch.tensor([r.params.temperature for r in requests], device=logits.device)
-        greedy = logits.argmax(-1)
-        if not temperatures.any():
-            return greedy.tolist()
-        probs = torch.softmax(logits.float() / temperatures.clamp(min=1e-5)[:, None], -1)
-        sampled = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
-        return torch.where(temperatures > 0, sampled, greedy).tolist()
+    def run_batch(self, requests: list[Request], query_lens: list[int], shape: StepShape,
+                  start: float) -> tuple[list[int], float]:
+        """Apply the manager's pending plan, compute the batch; return each request's next token
+        and the step's time in seconds (``start``: perf_counter at the step's start)."""
+        raise NotImplementedError
 
     def _append(self, request: Request, token: int) -> bool:
+        if not request.output_token_ids:
+            request.first_token_time = self.clock
         request.output_token_ids.append(token)
         self.stats.generated_tokens += 1
-        eos = self.model.config.eos_token_id
-        hit_eos = token == eos and not request.params.ignore_eos
+        hit_eos = token == self.eos_token_id and not request.params.ignore_eos
         return hit_eos or len(request.output_token_ids) >= request.params.max_tokens
 
     def _record(self, requests: list[Request]) -> None:
         stats, size = self.stats, self.config.block_size
         stats.steps += 1
+        stats.running_sum += len(requests)
         stats.peak_running = max(stats.peak_running, len(requests))
         stats.used_slots += self.manager.allocator.num_used_blocks * size
         stats.empty_slots += sum(len(self.manager.block_table(r.request_id)) * size
@@ -382,7 +201,68 @@ class LLMEngine:
                 f"{len(params) if isinstance(params, Sequence) else type(params).__name__}")
         checked = [self._check_request(p, s, f"prompts[{i}]")
                    for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
-        requests = [self._queue(p, s) for p, s in checked]
+        requests = [self._queue(p, s, self.clock) for p, s in checked]
         while self.has_unfinished():
             self.step()
         return [r.output_token_ids for r in requests]
+
+
+class LLMEngine(ServingLoop):
+    """Generates for many requests at once with ``model`` over a paged KV cache.
+
+    Example
+    -------
+    >>> engine = LLMEngine(LlamaForCausalLM.from_hf(hf_model), EngineConfig(num_blocks=128))
+    >>> outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
+    """
+
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        param = next(model.parameters())
+        spec = model.config.kv_cache_spec(config.block_size, param.dtype, config.cache_dtype)
+        num_blocks = config.num_blocks
+        if config.kv_cache_bytes is not None:
+            num_blocks = spec.num_blocks_for(config.kv_cache_bytes)
+        if num_blocks < 1 + config.reserve_null_block:
+            raise InvalidArgumentError(f"a KV budget of {num_blocks} block(s) of "
+                                       f"{spec.bytes_per_block} bytes holds no request")
+        if num_blocks != config.num_blocks:
+            config = dataclasses.replace(config, num_blocks=num_blocks, kv_cache_bytes=None)
+        super().__init__(config, model.config.vocab_size, model.config.max_position_embeddings,
+                         model.config.eos_token_id)
+        self.model = model.eval()
+        self.device = param.device
+        self.cache = PagedKVCache(spec, num_blocks, self.device)
+        self.cpu_cache = (cpu_cache_for(self.cache, config.num_cpu_blocks)
+                          if config.num_cpu_blocks else None)
+        self.executor = PlanExecutor(self.cache, self.cpu_cache)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.model.config.eos_token_id
+
+    def run_batch(self, requests: list[Request], query_lens: list[int], shape: StepShape,
+                  start: float) -> tuple[list[int], float]:
+        batch = self.manager.build_batch([r.request_id for r in requests], query_lens,
+                                         device=self.device)
+        tokens = [r.token_ids for r in requests]
+        input_ids = [t for seq, q in zip(tokens, query_lens, strict=True) for t in seq[-q:]]
+        positions = [p for seq, q in zip(tokens, query_lens, strict=True)
+                     for p in range(len(seq) - q, len(seq))]
+        self.executor.run(self.manager)
+        with torch.inference_mode():
+            logits = self.model(torch.tensor(input_ids, device=self.device),
+                                torch.tensor(positions, device=self.device), self.cache, batch,
+                                batch.query_start_loc[1:].long() - 1)
+        next_tokens = self._sample(logits, requests)
+        return next_tokens, time.perf_counter() - start
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        temperatures = torch.tensor([r.params.temperature for r in requests], device=logits.device)
+        greedy = logits.argmax(-1)
+        if not temperatures.any():
+            return greedy.tolist()
+        probs = torch.softmax(logits.float() / temperatures.clamp(min=1e-5)[:, None], -1)
+        sampled = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        return torch.where(temperatures > 0, sampled, greedy).tolist()

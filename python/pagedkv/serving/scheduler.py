@@ -1,0 +1,293 @@
+"""The scheduler of continuous batching, shared by the engine and the simulator.
+
+Every step the scheduler (1) gives each running request one decode token, preempting the most
+recently admitted requests when blocks run out (swap to the CPU pool, or free and recompute later);
+(2) when nothing was preempted, swaps requests back in and then admits waiting ones (FIFO, no
+skipping), whose prefill starts after their prefix-cache hits, within ``max_num_batched_tokens``.
+All scheduled requests run as one batch: varlen prefill and decode together when someone
+prefills, a pure decode batch otherwise.
+
+The block manager's ``block_size`` decides the allocation policy: small blocks are paging; one
+block of the longest request per request, without prefix caching, is contiguous max-length
+reservation (``EngineConfig.contiguous``).
+
+One request record (``Request``) serves every caller; ``StepShape`` is what a step asks of the
+hardware, which the engine measures and the simulator's cost model prices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from pagedkv import checks
+from pagedkv.blocks.manager import BlockManager
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
+
+__all__ = ["EngineConfig", "EngineStats", "Request", "SamplingParams", "Scheduler", "Status",
+           "StepShape"]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """``temperature`` 0 is greedy; generation stops after ``max_tokens`` or at the model's eos."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.max_tokens = checks.positive(self.max_tokens, "max_tokens")
+        temperature = self.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+                math.isfinite(temperature) and temperature >= 0):
+            raise InvalidArgumentError(
+                f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgumentError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A request and what happened to it. Times are seconds on the serving loop's clock."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_cached_tokens: int = 0  # prefix-cache hits at the last admission
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the end of the step that produced it."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (None with fewer than 2 tokens)."""
+        n = len(self.output_token_ids)
+        if self.finish_time is None or self.first_token_time is None or n < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (n - 1)
+
+    @property
+    def normalized_latency(self) -> float | None:
+        """End-to-end latency per output token (the vLLM paper's metric), seconds/token."""
+        if self.finish_time is None or not self.output_token_ids:
+            return None
+        return (self.finish_time - self.arrival_time) / len(self.output_token_ids)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Cache and scheduler settings.
+
+    ``num_blocks`` device blocks (or as many as fit in ``kv_cache_bytes``); ``num_cpu_blocks`` > 0
+    preempts by swapping to a CPU pool, else (or when it is full) by freeing and recomputing.
+    ``block_size`` = the longest request with prefix caching off is contiguous max-length
+    reservation: one block per request (``EngineConfig.contiguous``).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = 256
+    kv_cache_bytes: int | None = None
+    num_cpu_blocks: int = 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    reserve_null_block: bool = True
+    cache_dtype: torch.dtype | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.block_size = checks.positive(self.block_size, "block_size")
+        if self.num_blocks is None and self.kv_cache_bytes is None:
+            raise InvalidArgumentError("EngineConfig needs num_blocks or kv_cache_bytes")
+        if self.num_blocks is not None:
+            self.num_blocks = checks.positive(self.num_blocks, "num_blocks")
+        if self.kv_cache_bytes is not None:
+            self.kv_cache_bytes = checks.positive(self.kv_cache_bytes, "kv_cache_bytes")
+        self.num_cpu_blocks = checks.count(self.num_cpu_blocks, "num_cpu_blocks")
+        self.max_num_seqs = checks.positive(self.max_num_seqs, "max_num_seqs")
+        self.max_num_batched_tokens = checks.positive(self.max_num_batched_tokens,
+                                                      "max_num_batched_tokens")
+        self.seed = checks.count(self.seed, "seed")
+
+    @classmethod
+    def contiguous(cls, max_len: int, num_slots: int, **kwargs) -> EngineConfig:
+        """Contiguous max-length reservation over ``num_slots`` token slots: one block of
+        ``max_len`` slots per request, no sharing, no null block."""
+        max_len = checks.positive(max_len, "max_len")
+        return cls(block_size=max_len, num_blocks=max(1, num_slots // max_len),
+                   enable_prefix_caching=False, reserve_null_block=False, **kwargs)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0  # computed prompt tokens, recomputes included
+    recompute_tokens: int = 0  # the part of prefill_tokens that recomputes preempted requests
+    generated_tokens: int = 0
+    peak_running: int = 0
+    running_sum: int = 0  # summed over steps: requests in the batch
+    swaps_out: int = 0
+    swapped_blocks: int = 0  # blocks moved out and in
+    recomputes: int = 0
+    used_slots: int = 0  # summed over steps: slots of the blocks in use
+    empty_slots: int = 0  # summed over steps: slots of running requests' blocks holding no token
+    seconds: float = 0.0  # summed step times (measured by the engine, modeled by the simulator)
+
+    @property
+    def kv_waste(self) -> float:
+        """Fraction of the KV slots in use that held no token, averaged over steps."""
+        return self.empty_slots / self.used_slots if self.used_slots else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def mean_running(self) -> float:
+        return self.running_sum / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step asks of the hardware.
+
+    ``num_seqs`` sequences; ``query_tokens`` tokens computed (``prefill_tokens`` of them prompt
+    or recompute tokens, the rest one decode token per sequence); ``attended`` query-key pairs
+    (each query token attends every key up to its position); ``kv_read`` tokens of K/V read
+    (every sequence's whole context, once per layer); ``swap_blocks`` blocks moved between device
+    and CPU before the step."""
+
+    num_seqs: int = 0
+    query_tokens: int = 0
+    prefill_tokens: int = 0
+    attended: int = 0
+    kv_read: int = 0
+    swap_blocks: int = 0
+
+    @classmethod
+    def of(cls, seq_lens: list[int], query_lens: list[int], swap_blocks: int = 0) -> StepShape:
+        """The shape of a batch of sequences of ``seq_lens`` tokens computing their last
+        ``query_lens``."""
+        attended = sum(q * n - q * (q - 1) // 2 for n, q in zip(seq_lens, query_lens, strict=True))
+        return cls(num_seqs=len(seq_lens), query_tokens=sum(query_lens),
+                   prefill_tokens=sum(q for q in query_lens if q > 1), attended=attended,
+                   kv_read=sum(seq_lens), swap_blocks=swap_blocks)
+
+
+class Scheduler:
+    """Decides each step's requests and query lengths; owns the request queues."""
+
+    def __init__(self, config: EngineConfig, manager: BlockManager, stats: EngineStats) -> None:
+        self.config, self.manager, self.stats = config, manager, stats
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+
+    def __bool__(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """(request, query tokens) for this step, their tokens already in the block manager."""
+        preempted = self._reserve_decodes()
+        scheduled = [(request, 1) for request in self.running]
+        if not preempted or not self.running:
+            scheduled += self._swap_in()
+            if not self.swapped:
+                scheduled += self._admit(sum(q for _, q in scheduled))
+        return scheduled
+
+    def _reserve_decodes(self) -> bool:
+        queue, self.running, preempted = deque(self.running), [], False
+        while queue:
+            request = queue.popleft()
+            while not self.manager.can_append(request.request_id):
+                preempted = True
+                victim = queue.pop() if queue else request
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                self.manager.append_tokens(request.request_id, request.output_token_ids[-1])
+                self.running.append(request)
+        return preempted
+
+    def _preempt(self, request: Request) -> None:
+        request.num_preemptions += 1
+        try:
+            self.manager.swap_out(request.request_id)
+        except OutOfBlocksError:
+            self.manager.free(request.request_id)
+            request.status = Status.WAITING
+            self.waiting.appendleft(request)
+            self.stats.recomputes += 1
+            return
+        request.status = Status.SWAPPED
+        self.swapped.append(request)
+        self.stats.swaps_out += 1
+
+    def _swap_in(self) -> list[tuple[Request, int]]:
+        scheduled = []
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            blocks = len(self.manager.block_table(request.request_id))
+            if not self.manager.allocator.can_allocate(blocks + 1):
+                break
+            self.swapped.popleft()
+            self.manager.swap_in(request.request_id)
+            self.manager.append_tokens(request.request_id, request.output_token_ids[-1])
+            self._run(request)
+            scheduled.append((request, 1))
+        return scheduled
+
+    def _admit(self, num_batched: int) -> list[tuple[Request, int]]:
+        scheduled = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            tokens = request.token_ids
+            over_budget = num_batched + len(tokens) > self.config.max_num_batched_tokens
+            if (scheduled and over_budget) or not self.manager.can_allocate(tokens):
+                break
+            self.waiting.popleft()
+            cached = self.manager.add_sequence(request.request_id, tokens)
+            request.num_cached_tokens = cached
+            self._run(request)
+            computed = len(tokens) - cached
+            scheduled.append((request, computed))
+            num_batched += computed
+            self.stats.prefill_tokens += computed
+            if request.output_token_ids:  # readmitted after a preemption by recompute
+                self.stats.recompute_tokens += computed
+        return scheduled
+
+    def _run(self, request: Request) -> None:
+        request.status = Status.RUNNING
+        self.running.append(request)
+
+    def finish(self, request: Request) -> None:
+        self.manager.free(request.request_id)
+        request.status = Status.FINISHED
+        self.running.remove(request)
