@@ -1,187 +1,209 @@
-"""Memory accounting (models, sizes) and the serving simulation: invariants on small traces."""
+"""The serving simulator: the engine's scheduler priced by a cost model.
+
+Its decisions are the engine's (the same scheduler and block manager, step by step); its clock
+adds the cost model's step times; its metrics follow from the requests' times.
+"""
 
 from __future__ import annotations
 
 import json
-import random
+import math
 
 import pytest
-import torch
 
-from pagedkv.tools.presets import MODELS, format_bytes, get_model, parse_bytes, size_report
-from pagedkv.tools.sim import STRATEGIES, SimulationError, _Contiguous, _Running, simulate
-from pagedkv.tools.traces import Request, load_jsonl, synthetic_trace, trace_stats
-
-GIB = 2**30
-
-
-def test_size_llama3_8b_by_hand():
-    spec = get_model("llama-3-8b").spec(block_size=16)
-    assert spec.kv_dtype == torch.bfloat16
-    assert spec.bytes_per_token == 2 * 32 * 8 * 128 * 2 == 131072
-    r = size_report(spec, seq_len=8192, batch=4, memory=80 * GIB)
-    assert r["bytes_per_block"] == 16 * 131072 == 2 * 2**20
-    assert r["bytes_per_seq"] == 8192 * 131072 == GIB
-    assert r["kv_cache_bytes"] == 4 * GIB
-    assert r["blocks_fit"] == 80 * GIB // (2 * 2**20) == 40960
-    assert r["tokens_fit"] == 655360 and r["seqs_fit"] == 80
+from pagedkv.serving.engine import LLMEngine
+from pagedkv.serving.model import ModelConfig
+from pagedkv.serving.scheduler import EngineConfig, SamplingParams, StepShape
+from pagedkv.tools import sim
+from pagedkv.tools.demo import random_model
+from pagedkv.tools.traces import Request, synthetic_trace
 
 
-def test_size_llama3_70b_and_fp8_by_hand():
-    spec = get_model("Llama-3-70B").spec(block_size=32)
-    assert spec.bytes_per_token == 2 * 80 * 8 * 128 * 2 == 327680
-    r = size_report(spec, seq_len=1000, batch=3)
-    assert r["kv_cache_bytes"] == 2 * 80 * 8 * 128 * 1000 * 3 * 2 == 983_040_000
-    assert r["blocks_per_seq"] == 32 and r["paged_bytes"] == 32 * 3 * 32 * 327680
-    assert get_model("llama-3-70b").spec(cache_dtype="fp8").bytes_per_token == 327680 // 2
+class LinearCost:
+    """A step costs ``base`` plus per-token and per-K/V-token terms (seconds)."""
+
+    def __init__(self, base=0.01, per_query=1e-4, per_kv=1e-6, per_swap=1e-4):
+        self.base, self.per_query, self.per_kv, self.per_swap = base, per_query, per_kv, per_swap
+
+    def step_seconds(self, shape: StepShape) -> float:
+        return (self.base + self.per_query * shape.query_tokens + self.per_kv * shape.kv_read
+                + self.per_swap * shape.swap_blocks)
 
 
-@pytest.mark.parametrize("name, per_token", [
-    ("Mistral-7B", 2 * 32 * 8 * 128 * 2), ("Qwen2.5-7B", 2 * 28 * 4 * 128 * 2),
-    ("Gemma-2-9B", 2 * 42 * 8 * 256 * 2), ("OPT-13B", 819200),  # the vLLM paper's "800 KB"
-])
-def test_preset_bytes_per_token(name, per_token):
-    assert get_model(name).spec().bytes_per_token == per_token
+def test_step_shape_counts_causal_pairs():
+    shape = StepShape.of([10, 7, 5], [1, 7, 3], swap_blocks=2)
+    assert (shape.num_seqs, shape.query_tokens, shape.prefill_tokens) == (3, 11, 10)
+    assert shape.attended == 10 + sum(range(1, 8)) + (3 + 4 + 5)
+    assert shape.kv_read == 22 and shape.swap_blocks == 2
 
 
-def test_presets_gqa_divides_heads():
-    for m in MODELS.values():
-        assert m.num_heads % m.num_kv_heads == 0, m.name
+@pytest.mark.parametrize("num_cpu_blocks", [0, 12], ids=["recompute", "swap"])
+def test_the_simulator_decides_as_the_engine(num_cpu_blocks):
+    """Same config, same requests, the engine's tokens fed to the simulator: every step schedules
+    the same requests with the same query lengths, preempts the same way, finishes in the same
+    order."""
+    model = random_model(ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, max_position_embeddings=128), seed=1)
+    config = EngineConfig(block_size=4, num_blocks=14, num_cpu_blocks=num_cpu_blocks,
+                          max_num_seqs=5, max_num_batched_tokens=24)
+    system = [5, 9, 13, 17, 21, 25, 29, 33]
+    prompts = [system + [1, 2], [3, 4, 5], system + [6], list(range(40, 51)), system + [7, 8, 9],
+               [60, 61]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 12, 7, 10, 11, 6)]
+
+    def run(loop):
+        requests = [loop.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        steps, order = [], []
+        while loop.has_unfinished():
+            order += [r.request_id for r in loop.step()]
+            steps.append(loop.last_batch)
+        return steps, order, requests
+
+    engine = LLMEngine(model, config)
+    engine_steps, engine_order, engine_requests = run(engine)
+    preempted = engine.stats.swaps_out if num_cpu_blocks else engine.stats.recomputes
+    assert preempted > 0, "the test must preempt"
+    outputs = {r.request_id: r.output_token_ids for r in engine_requests}
+    server = EngineReplay(config, outputs)
+    sim_steps, sim_order, sim_requests = run(server)
+    assert sim_steps == engine_steps
+    assert sim_order == engine_order
+    assert [r.output_token_ids for r in sim_requests] == [r.output_token_ids
+                                                          for r in engine_requests]
+    for name in ("steps", "prefill_tokens", "recompute_tokens", "swaps_out", "recomputes",
+                 "swapped_blocks", "used_slots", "empty_slots", "generated_tokens"):
+        assert getattr(server.stats, name) == getattr(engine.stats, name), name
+    assert server.prefix_hit_rate == engine.prefix_hit_rate > 0
 
 
-def test_parse_and_format_bytes():
-    assert parse_bytes("80GiB") == 80 * GIB and parse_bytes("1.5 GB") == 1_500_000_000
-    assert parse_bytes("512mib") == 512 * 2**20 and parse_bytes("4096") == 4096
-    with pytest.raises(ValueError, match="cannot read"):
-        parse_bytes("lots")
-    assert format_bytes(131072) == "128 KiB" and format_bytes(1000) == "1000 B"
-    assert format_bytes(1.5 * GIB) == "1.5 GiB"
-    with pytest.raises(ValueError, match="presets"):
-        get_model("gpt-5")
+class EngineReplay(sim.SimulatedServer):
+    """The simulator, generating the tokens the engine generated."""
+
+    def __init__(self, config, outputs):
+        super().__init__(config, LinearCost(), max_len=128)
+        self.outputs = outputs
+
+    def next_token(self, request):
+        return self.outputs[request.request_id][len(request.output_token_ids)]
 
 
-def test_request_tokens_share_only_the_prefix():
-    a, b = Request(0, 40, 5, prefix_id=1, prefix_len=20), Request(1, 40, 5, 1, 30)
-    assert a.tokens(0, 20) == b.tokens(0, 20)
-    assert a.tokens(20, 21) != b.tokens(20, 21)
-    assert a.tokens(0, 45)[40:] == [a.output_token(p) for p in range(40, 45)]
-    c = Request(2, 3, 2, prompt=(7, 8, 9))
-    assert c.tokens(1, 4) == [8, 9, c.output_token(3)]
+def test_one_request_alone_takes_the_cost_models_times():
+    cost = LinearCost()
+    (result,) = sim.simulate([Request(0, 30, 5)], cost, num_slots=256, rate=math.inf,
+                             strategies=["paged"], block_size=16, max_len=64).values()
+    prefill = cost.step_seconds(StepShape.of([30], [30]))
+    decodes = [cost.step_seconds(StepShape.of([n], [1])) for n in range(31, 35)]
+    assert result.ttft["p50"] == pytest.approx(prefill)
+    assert result.duration == pytest.approx(prefill + sum(decodes))
+    assert result.tpot["p50"] == pytest.approx(sum(decodes) / 4)
+    assert result.normalized_latency["mean"] == pytest.approx(result.duration / 5)
+    assert result.throughput == pytest.approx(1 / result.duration)
+    assert result.preemptions == 0 and result.preemption_seconds == 0
 
 
-def test_synthetic_trace_seeded_and_shaped():
-    a = synthetic_trace("sharegpt", 400, seed=3, system_share=0.5)
-    assert a == synthetic_trace("sharegpt", 400, seed=3, system_share=0.5)
-    assert a != synthetic_trace("sharegpt", 400, seed=4, system_share=0.5)
-    assert all(1 <= r.output_len and r.final_len <= 2048 for r in a)
-    plain = trace_stats(synthetic_trace("sharegpt", 2000, seed=0))
-    assert 130 < plain["prompt_mean"] < 200 and 270 < plain["output_mean"] < 400
-    alpaca = trace_stats(synthetic_trace("alpaca", 2000, seed=0))
-    assert alpaca["prompt_mean"] < 30 and alpaca["output_mean"] < 80
-    assert 0.4 < trace_stats(a)["prefix_share"] < 0.6 and plain["prefix_share"] == 0
+def test_arrivals_wait_for_their_time_and_idle_gaps_are_skipped():
+    cost = LinearCost(base=0.01, per_query=0, per_kv=0)
+    requests = [Request(0, 4, 3), Request(1, 4, 3)]
+    (result,) = sim.simulate(requests, cost, 256, arrivals=[0.0, 100.0],
+                             strategies=["paged"], max_len=64).values()
+    assert result.ttft["p50"] == pytest.approx(0.01)  # neither waits for the other
+    assert result.duration == pytest.approx(100.03)
+    assert result.steps == 6
 
 
-def _check_invariants(requests, results, budget):
+def test_poisson_arrivals():
+    times = sim.poisson_arrivals(20000, rate=4.0, seed=3)
+    assert times == sorted(times) and times == sim.poisson_arrivals(20000, 4.0, 3)
+    assert 1 / 4.0 * 0.97 < times[-1] / len(times) < 1 / 4.0 * 1.03
+    assert sim.poisson_arrivals(3, math.inf) == [0.0, 0.0, 0.0]
+    for bad in (0, -1, math.nan):
+        with pytest.raises(ValueError, match="rate"):
+            sim.poisson_arrivals(3, bad)
+
+
+def _check(requests, results, num_slots):
     for r in results.values():
-        assert r.finished == len(requests), r.name
-        assert max(r.series["reserved"]) <= budget and r.peak_reserved <= budget, r.name
-        assert all(s <= v for s, v in zip(r.series["stored"], r.series["reserved"], strict=True))
-        assert r.steps >= max(q.output_len for q in requests)
+        assert r.finished == r.requests == len(requests), r.name
+        assert max(r.series["reserved"]) <= num_slots, r.name
+        if r.prefix_hit_rate is None:  # (shared blocks hold the tokens of several requests)
+            assert all(s <= v for s, v in zip(r.series["stored"], r.series["reserved"],
+                                              strict=True))
+        assert r.series["time"] == sorted(r.series["time"])
+        assert r.ttft["p50"] <= r.ttft["p99"] and r.normalized_latency["p50"] > 0
 
 
-def test_sharegpt_reproduces_the_published_shape():
-    requests = synthetic_trace("sharegpt", 240, seed=0)
-    results = simulate(requests, num_blocks=1024, block_size=16, max_len=2048)
-    _check_invariants(requests, results, 1024 * 16)
-    cmax, oracle, paged = (results[k] for k in ("contiguous-max", "contiguous-oracle", "paged"))
-    assert 0.6 <= cmax.waste <= 0.8 and cmax.internal_waste == 0
-    assert paged.waste < 0.04 and paged.reservation_waste == 0
-    assert paged.waste < oracle.waste < cmax.waste
-    assert paged.mean_running_queued >= 3 * cmax.mean_running_queued
-    assert paged.steps < cmax.steps and results["paged+prefix"].prefix_hit_rate == 0.0
-    assert cmax.prefix_hit_rate is None and cmax.preemptions == 0
+def test_paging_serves_more_requests_at_once_and_sustains_a_higher_rate():
+    requests = synthetic_trace("sharegpt", 120, seed=0, max_len=1024, system_share=0.5)
+    num_slots = 8 * 1024
+    rates = [0.5, 2.0, 32.0]
+    cost = LinearCost(base=0.02, per_query=2e-5, per_kv=2e-7)
+    results = sim.sweep(requests, cost, num_slots, rates, max_len=1024, seed=1)
+    for by_rate in results.values():
+        _check(requests, by_rate, num_slots)
+    slow, fast = results[0.5], results[32.0]
+    for name in sim.STRATEGIES:  # queueing: latency grows with the rate
+        assert fast[name].normalized_latency["mean"] > slow[name].normalized_latency["mean"]
+    contiguous, paged, prefix = (fast[n] for n in sim.STRATEGIES)
+    assert paged.mean_running > 1.5 * contiguous.mean_running
+    assert paged.throughput > 1.5 * contiguous.throughput
+    assert contiguous.kv_waste > 0.5 > 0.05 > paged.kv_waste
+    assert prefix.prefix_hit_rate > 0.2 and paged.prefix_hit_rate is None
+    target = 2 * slow["paged"].normalized_latency["mean"]
+    paged_rate = sim.sustained_rate(results, "paged", target)
+    contiguous_rate = sim.sustained_rate(results, "contiguous", target)
+    assert (contiguous_rate, paged_rate) == (0.5, 2.0)  # contiguous holds 8, paging ~15
+    json.dumps({rate: {n: r.summary() for n, r in by.items()} for rate, by in results.items()})
 
 
-def test_prefix_sharing_hits_with_system_prompts():
-    requests = synthetic_trace("alpaca", 150, seed=1, system_share=0.8, system_len=64)
-    results = simulate(requests, num_blocks=200, block_size=16, max_len=1024)
-    _check_invariants(requests, results, 200 * 16)
-    shared, paged = results["paged+prefix"], results["paged"]
-    assert shared.prefix_hit_rate > 0.2 and paged.prefix_hit_rate is None
-    assert shared.steps <= paged.steps
+def test_sustained_rate_is_the_last_rate_within_the_target():
+    def result(latency):
+        r = sim.StrategyResult("x", 1, 1, 1.0, 1.0, 1.0, {}, {}, {"mean": latency}, 1, 1, 1.0,
+                               0.0, 0, 0, 0, 0.0, None)
+        return {"x": r}
+
+    results = {1.0: result(0.1), 2.0: result(0.2), 4.0: result(0.5), 8.0: result(0.3)}
+    assert sim.sustained_rate(results, "x", 0.25) == 2.0  # 8.0 is after a miss
+    assert sim.sustained_rate(results, "x", 0.05) is None
+    assert sim.sustained_rate(results, "x", 1.0) == 8.0
 
 
-def test_tight_budget_preempts_and_still_finishes():
+def test_a_tight_budget_preempts_costs_time_and_still_finishes():
     requests = synthetic_trace("sharegpt", 40, seed=2, max_len=512)
-    results = simulate(requests, num_blocks=40, block_size=16, max_len=512,
-                       strategies=["paged", "paged+prefix"])
-    _check_invariants(requests, results, 40 * 16)
-    assert results["paged"].preemptions > 0
+    results = sim.simulate(requests, LinearCost(), num_slots=40 * 16, max_len=512,
+                           strategies=["paged"], max_num_batched_tokens=512)
+    _check(requests, results, 40 * 16)
+    paged = results["paged"]
+    assert paged.preemptions > 0 and paged.recomputed_tokens > 0
+    assert 0 < paged.preemption_seconds < paged.duration
+    swapping = sim.simulate(requests, LinearCost(), num_slots=40 * 16, max_len=512,
+                            strategies=["paged"], max_num_batched_tokens=512,
+                            num_cpu_blocks=256)["paged"]
+    assert swapping.swapped_blocks > 0 and swapping.finished == len(requests)
 
 
-def test_simulation_reproducible_and_capped():
+def test_reproducible():
     requests = synthetic_trace("alpaca", 80, seed=5, system_share=0.3)
-    kwargs = dict(num_blocks=128, block_size=8, max_len=1024, max_running=6, arrival_rate=0.5)
-    a, b = simulate(requests, **kwargs), simulate(requests, **kwargs)
+    kwargs = dict(num_slots=128 * 8, block_size=8, max_len=1024, rate=3.0, seed=4,
+                  max_num_seqs=6)
+    a, b = sim.simulate(requests, LinearCost(), **kwargs), sim.simulate(requests, LinearCost(),
+                                                                          **kwargs)
     assert [r.summary() for r in a.values()] == [r.summary() for r in b.values()]
     assert all(r.peak_running <= 6 for r in a.values())
-    json.dumps({k: r.summary() for k, r in a.items()})
 
 
 def test_simulation_errors():
-    with pytest.raises(SimulationError, match="max_len"):
-        simulate([Request(0, 100, 100)], num_blocks=100, max_len=150)
-    with pytest.raises(SimulationError, match="whole budget"):
-        simulate([Request(0, 1, 1)], num_blocks=4, block_size=16, max_len=128)
-    with pytest.raises(SimulationError, match="paged: request 0 .* does not fit"):
-        simulate([Request(0, 100, 100)], num_blocks=4, block_size=16, strategies=["paged"])
-    with pytest.raises(ValueError, match="unique"):
-        simulate([Request(0, 1, 1), Request(0, 2, 1)], num_blocks=4, strategies=["paged"])
+    cost = LinearCost()
+    with pytest.raises(sim.SimulationError, match="max_len"):
+        sim.simulate([Request(0, 100, 100)], cost, num_slots=1600, max_len=150)
+    with pytest.raises(sim.SimulationError, match="whole budget"):
+        sim.simulate([Request(0, 1, 1)], cost, num_slots=64, max_len=128)
+    with pytest.raises(ValueError, match="exceeds the cache"):
+        sim.simulate([Request(0, 100, 100)], cost, num_slots=64, strategies=["paged"])
     with pytest.raises(ValueError, match="unknown strategy"):
-        simulate([Request(0, 1, 1)], num_blocks=4, strategies=["buddy"])
-    assert set(STRATEGIES) == {"contiguous-max", "contiguous-oracle", "paged", "paged+prefix"}
-
-
-def test_contiguous_first_fit_merges_holes():
-    pool = _Contiguous(100, None)
-    runs = [_Running(Request(i, 10 * (i + 1), 10)) for i in range(3)]  # 20, 30, 40 slots
-    assert all(pool.admit(run) for run in runs) and pool.holes == [(90, 10)]
-    pool.release(runs[1])
-    assert pool.holes == [(20, 30), (90, 10)] and not pool.admit(_Running(Request(3, 31, 10)))
-    pool.release(runs[0])
-    pool.release(runs[2])
-    assert pool.holes == [(0, 100)] and pool.reserved == 0
-
-
-def test_jsonl_trace(tmp_path):
-    path = tmp_path / "trace.jsonl"
-    rows = [{"prompt_len": 70, "output_len": 5, "prefix_id": "sys", "prefix_len": 64},
-            {"prompt_len": 90, "output_len": 7, "prefix_id": "sys", "prefix_len": 64},
-            {"prompt": list(range(40)), "output_len": 3},
-            {"prompt": list(range(40)) + [99], "output_len": 3}, {"prompt_len": 9, "output_len": 2}]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    requests = load_jsonl(path)
-    assert [r.prefix_id for r in requests] == [0, 0, None, None, None]
-    results = simulate(requests, num_blocks=64, block_size=16, max_len=256,
-                       strategies=["paged+prefix"], max_running=1)
-    assert results["paged+prefix"].prefix_hit_rate == (64 + 32) / (70 + 90 + 40 + 41 + 9)
-    path.write_text('{"prompt_len": 4, "output_len": 0}\n')
-    with pytest.raises(ValueError, match="trace.jsonl:1"):
-        load_jsonl(path)
-
-
-def test_contiguous_pool_random_admit_release():
-    rng = random.Random(0)
-    pool, live, total = _Contiguous(1000, None), [], 1000
-    for i in range(2000):
-        if live and rng.random() < 0.5:
-            pool.release(live.pop(rng.randrange(len(live))))
-        else:
-            run = _Running(Request(i, rng.randint(1, 60), rng.randint(1, 60)))
-            if pool.admit(run):
-                live.append(run)
-        assert pool.reserved == sum(r.req.final_len for r in live)
-        assert pool.reserved + sum(size for _, size in pool.holes) == total
-        assert all(size > 0 for _, size in pool.holes)
-        ends = [start + size for start, size in pool.holes]
-        assert all(end < nxt for end, (nxt, _) in zip(ends, pool.holes[1:], strict=False))
+        sim.simulate([Request(0, 1, 1)], cost, num_slots=64, strategies=["buddy"])
+    with pytest.raises(ValueError, match="no request"):
+        sim.simulate([], cost, num_slots=64)
+    with pytest.raises(ValueError, match="arrivals"):
+        sim.simulate([Request(0, 1, 1)], cost, num_slots=64, max_len=8, arrivals=[0.0, 1.0])
+    assert sim.STRATEGIES == ("contiguous", "paged", "paged+prefix")

@@ -67,6 +67,7 @@ class ServingLoop:
         self.stats = EngineStats()
         self.scheduler = Scheduler(config, self.manager, self.stats)
         self.clock = 0.0  # seconds: the sum of the step times so far
+        self.last_batch: list[tuple[int, int]] = []  # (request id, query tokens) of the last step
         self.last_shape: StepShape | None = None
         self.last_seconds = 0.0
         self._ids = itertools.count()
@@ -149,6 +150,7 @@ class ServingLoop:
                              len(plan.swap_out) + len(plan.swap_in))
         next_tokens, seconds = self.run_batch(requests, query_lens, shape, start)
         self._in_flight = None
+        self.last_batch = [(r.request_id, q) for r, q in scheduled]
         self.last_shape, self.last_seconds = shape, seconds
         self.clock += seconds
         self.stats.seconds += seconds
