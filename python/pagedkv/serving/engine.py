@@ -145,8 +145,7 @@ class ServingLoop:
         requests = [request for request, _ in scheduled]
         query_lens = [q for _, q in scheduled]
         plan = self.manager.plan()
-        shape = StepShape.of([len(r.prompt_token_ids) + len(r.output_token_ids)
-                              for r in requests], query_lens,
+        shape = StepShape.of([r.num_tokens for r in requests], query_lens,
                              len(plan.swap_out) + len(plan.swap_in))
         next_tokens, seconds = self.run_batch(requests, query_lens, shape, start)
         self._in_flight = None
@@ -182,8 +181,8 @@ class ServingLoop:
         stats.running_sum += len(requests)
         stats.peak_running = max(stats.peak_running, len(requests))
         stats.used_slots += self.manager.allocator.num_used_blocks * size
-        stats.empty_slots += sum(len(self.manager.block_table(r.request_id)) * size
-                                 - len(r.token_ids) for r in requests)
+        # a table holds exactly the blocks its tokens need: the empty slots are in the last one
+        stats.empty_slots += sum(-r.num_tokens % size for r in requests)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

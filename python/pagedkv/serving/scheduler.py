@@ -78,6 +78,10 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
     def ttft(self) -> float | None:
         """Time to first token: arrival to the end of the step that produced it."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time

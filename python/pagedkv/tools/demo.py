@@ -17,6 +17,7 @@ import torch
 
 from pagedkv.serving.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedkv.serving.model import LlamaForCausalLM, ModelConfig
+from pagedkv.tools import argtypes
 
 __all__ = ["main", "random_model", "run_demo"]
 
@@ -145,23 +146,56 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _device(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("cuda: no GPU is available here")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+    return text
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedkv demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=argtypes.positive_int, default=48,
+                        help="requests (default 48)")
+    parser.add_argument("--system-prompt-len", type=argtypes.count, default=48,
+                        help="tokens of the system prompt every other request opens with "
+                             "(default 48)")
+    parser.add_argument("--max-prompt", type=argtypes.positive_int, default=64,
+                        help="longest own prompt, tokens (default 64; at least 4)")
+    parser.add_argument("--max-tokens", type=argtypes.positive_int, default=64,
+                        help="longest output, tokens (default 64)")
+    parser.add_argument("--max-model-len", type=argtypes.positive_int, default=192,
+                        help="the model's positions and the contiguous reservation (default 192)")
+    parser.add_argument("--kv-budget-requests", type=argtypes.positive_int, default=6,
+                        help="KV budget, in contiguous max_model_len reservations (default 6)")
+    parser.add_argument("--block-size", type=argtypes.positive_int, default=16,
+                        help="tokens per block of the paged run (default 16)")
+    parser.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available()
+                        else "cpu", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("--seed", type=argtypes.count, default=0, help="seed (default 0)")
+    parser.add_argument("--threads", type=argtypes.positive_int,
+                        help="torch CPU threads (default: torch's)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv demo``."""
-    parser = argparse.ArgumentParser(prog="pagedkv demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--system-prompt-len", type=int, default=48)
-    parser.add_argument("--max-prompt", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=192)
-    parser.add_argument("--kv-budget-requests", type=int, default=6,
-                        help="KV budget, in contiguous max_model_len reservations")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.max_prompt < 4:
+        parser.error(f"argument --max-prompt: must be >= 4, got {args.max_prompt}")
+    longest = args.system_prompt_len + args.max_prompt + args.max_tokens
+    if longest > args.max_model_len:
+        parser.error(f"argument --max-model-len: a request may hold {longest} tokens "
+                     f"(--system-prompt-len + --max-prompt + --max-tokens), more than "
+                     f"{args.max_model_len}")
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run_demo(args.requests, args.system_prompt_len, args.max_prompt, args.max_tokens,

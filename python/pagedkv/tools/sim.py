@@ -76,7 +76,7 @@ class SimulatedServer(ServingLoop):
         recomputing = [r.output_token_ids and q > 1 for r, q in zip(requests, query_lens,
                                                                      strict=True)]
         if shape.swap_blocks or any(recomputing):  # what the step would take without them
-            kept = [(len(r.token_ids), q) for r, q, redo in zip(requests, query_lens, recomputing,
+            kept = [(r.num_tokens, q) for r, q, redo in zip(requests, query_lens, recomputing,
                                                                  strict=True) if not redo]
             base = StepShape.of([n for n, _ in kept], [q for _, q in kept])
             self.preemption_seconds += seconds - self.cost.step_seconds(base)
@@ -84,13 +84,13 @@ class SimulatedServer(ServingLoop):
         series, size = self.series, self.config.block_size
         series["time"].append(self.clock + seconds)
         series["reserved"].append(self.manager.allocator.num_used_blocks * size)
-        series["stored"].append(sum(map(len, (r.token_ids for r in requests))))
+        series["stored"].append(sum(r.num_tokens for r in requests))
         series["running"].append(len(requests))
         return tokens, seconds
 
     def next_token(self, request: Request) -> int:
         """The token the request generates next: the trace's."""
-        return self.trace[request.request_id].output_token(len(request.token_ids))
+        return self.trace[request.request_id].output_token(request.num_tokens)
 
 
 @dataclass(slots=True)
