@@ -16,7 +16,11 @@ SMALL_SIM = ["simulate", "--requests", "40", "--num-blocks", "96", "--max-len", 
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
+    """Exit status (argparse's 2 included), stdout and stderr of ``pagedkv argv...``."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:
+        code = e.code
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -55,27 +59,43 @@ def test_size_flags_match_preset_and_fp8(capsys):
 
 def test_size_errors(capsys):
     code, _, err = run(capsys, "size", "--layers", "2")
-    assert code == 1 and "--kv-heads" in err
+    assert code == 2 and "--kv-heads" in err
     code, _, err = run(capsys, "size", "--model", "nope")
-    assert code == 1 and "presets" in err
-    with pytest.raises(SystemExit):
-        cli.main(["size", "--cache-dtype", "int3"])
+    assert code == 2 and "argument --model" in err and "presets" in err
+    code, _, err = run(capsys, "size", "--cache-dtype", "int3")
+    assert code == 2 and "argument --cache-dtype" in err
 
 
 def test_simulate_table_json_and_plot(capsys, tmp_path):
-    code, out, _ = run(capsys, *SMALL_SIM, "--strategies", "contiguous-max,paged")
-    assert code == 0 and "contiguous-max" in out and "paged / contiguous-max" in out
+    code, out, _ = run(capsys, *SMALL_SIM, "--strategies", "contiguous,paged", "--rate", "2")
+    assert code == 0 and "contiguous" in out and "Poisson, 2 requests/s" in out
+    assert "paged+prefix" not in out
     png = tmp_path / "sim.png"
     data = run_json(capsys, *SMALL_SIM, "--trace", "alpaca", "--system-share", "0.9",
                     "--plot", str(png))
-    assert set(data["strategies"]) == {"contiguous-max", "contiguous-oracle", "paged",
-                                       "paged+prefix"}
-    assert data["strategies"]["paged+prefix"]["prefix_hit_rate"] > 0
+    assert set(data["strategies"]) == {"contiguous", "paged", "paged+prefix"}
+    prefix = data["strategies"]["paged+prefix"]
+    assert prefix["prefix_hit_rate"] > 0 and prefix["finished"] == 40
+    assert prefix["normalized_latency"]["p50"] > 0 and prefix["ttft"]["p99"] > 0
     assert data["config"]["num_blocks"] == 96 and data["trace"]["requests"] == 40
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_simulate_jsonl_and_memory_budget(capsys, tmp_path):
+def test_simulate_sweep_rate(capsys, tmp_path):
+    png = tmp_path / "rate.png"
+    data = run_json(capsys, *SMALL_SIM, "--sweep-rate", "--rates", "0.5,4,64",
+                    "--latency-target", "0.05", "--plot", str(png))
+    assert [row["rate"] for row in data["rates"]] == [0.5, 4, 64]
+    assert set(data["sustained_rate"]) == {"contiguous", "paged", "paged+prefix"}
+    assert data["latency_target_s_per_token"] == 0.05
+    lat = [row["strategies"]["paged"]["normalized_latency"]["mean"] for row in data["rates"]]
+    assert lat == sorted(lat)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = run_json(capsys, *SMALL_SIM, "--sweep-rate", "--strategies", "paged")
+    assert len(data["rates"]) == 10  # automatic: up to 1.3x the saturated throughput
+
+
+def test_simulate_jsonl_memory_budget_and_calibration(capsys, tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"prompt_len": 30 + i, "output_len": 5 + i,
                                         "prefix_id": i % 2, "prefix_len": 16}) + "\n"
@@ -84,10 +104,18 @@ def test_simulate_jsonl_and_memory_budget(capsys, tmp_path):
                     "--model", "llama-3-8b", "--max-len", "256", "--no-progress")
     assert data["config"]["num_blocks"] == 64 * 2**20 // (16 * 131072) == 32
     assert all(r["finished"] == 12 for r in data["strategies"].values())
-    code, _, err = run(capsys, "simulate", "--trace", str(tmp_path / "missing.jsonl"))
-    assert code == 1 and "missing.jsonl" in err
+    calibration = tmp_path / "cal.json"
+    rows = [{"num_seqs": n, "query_tokens": q, "prefill_tokens": q if q > 1 else 0,
+             "attended": q * 40, "kv_read": n * 40, "swap_blocks": 0,
+             "seconds": 0.002 + 0.001 * n + 0.0001 * q} for n, q in
+            [(1, 1), (4, 4), (8, 8), (1, 64), (2, 128), (16, 16), (3, 200), (32, 32)]]
+    calibration.write_text(json.dumps({"models": {"tiny": {"rows": rows}}}))
+    data = run_json(capsys, "simulate", "--trace", str(path), "--memory", "64MiB",
+                    "--max-len", "256", "--calibrate", str(calibration), "--no-progress")
+    paged = data["strategies"]["paged"]
+    assert paged["finished"] == 12 and paged["ttft"]["p50"] > 0.002
     code, _, err = run(capsys, "simulate", "--trace", str(path), "--memory", "64MiB")
-    assert code == 1 and "contiguous-max reserves max_len = 2048" in err
+    assert code == 2 and "contiguous reserves 2048" in err
 
 
 def test_help_of_each_command(capsys):
@@ -128,9 +156,81 @@ def test_demo_dispatch_and_missing(capsys, monkeypatch):
 def test_optional_dependencies_missing(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    from pagedkv.tools import sim
-
-    assert sim._progress_bar("paged", 10, enabled=True) is None
+    assert cli._progress(True) is None
     code, _, err = run(capsys, *SMALL_SIM, "--strategies", "paged", "--plot",
                        str(tmp_path / "x.png"))
     assert code == 1 and "needs matplotlib" in err
+
+
+# Every option that takes a value, per command, with values it must refuse. An option missing
+# here fails test_every_option_is_walked, so a new option comes with its checks.
+MISSING = "/no/such/dir/file"
+BAD_VALUES = {
+    "size": {
+        "--model": ["nope", ""], "--layers": ["0", "-5", "x", "1.5"],
+        "--kv-heads": ["0", "-5", "x"], "--head-size": ["0", "-5", "x"],
+        "--seq-len": ["0", "-5", "x"], "--batch": ["0", "-5", "x", "2.0"],
+        "--dtype": ["int8", "0"], "--cache-dtype": ["int3", "-5"],
+        "--block-size": ["0", "-5", "x"], "--memory": ["0", "-5", "lots", "0GiB"],
+    },
+    "simulate": {
+        "--trace": ["nope", MISSING], "--requests": ["0", "-5", "x", "1.5"],
+        "--seed": ["-5", "x", "1.5"], "--system-share": ["-0.1", "1.5", "x", "nan"],
+        "--system-prompts": ["0", "-5", "x"], "--system-len": ["0", "-5", "x"],
+        "--max-len": ["0", "-5", "x"], "--model": ["nope"], "--device": ["nope", "0"],
+        "--calibrate": [MISSING, "/"], "--calibrated-model": ["tiny"],
+        "--memory": ["0", "-5", "lots"], "--num-blocks": ["0", "-5", "x"],
+        "--block-size": ["0", "-5", "x"], "--cache-dtype": ["int3"],
+        "--max-num-seqs": ["0", "-5", "x"], "--max-num-batched-tokens": ["0", "-5", "x"],
+        "--cpu-blocks": ["-5", "x", "1.5"], "--rate": ["0", "-5", "x", "nan"],
+        "--rates": ["0", "-1,2", "x", "4,2", "1,1", ",", "inf"],
+        "--latency-target": ["0", "-5", "x", "inf"],
+        "--strategies": ["buddy", "", "paged,paged", "paged,x"],
+        "--plot": [MISSING, "/"],
+    },
+    "demo": {
+        "--requests": ["0", "-5", "x"], "--system-prompt-len": ["-5", "x"],
+        "--max-prompt": ["0", "-5", "x", "3"], "--max-tokens": ["0", "-5", "x", "1000"],
+        "--max-model-len": ["0", "-5", "x", "10"], "--kv-budget-requests": ["0", "-5", "x"],
+        "--block-size": ["0", "-5", "x"], "--device": ["tpu", "x", "cuda:x"],
+        "--dtype": ["int8"], "--seed": ["-5", "x"], "--threads": ["0", "-5", "x"],
+    },
+}
+
+
+def _valued_options(command: str) -> set[str]:
+    from pagedkv.tools import demo
+
+    parser = (demo._parser() if command == "demo" else
+              cli._parser()._subparsers._group_actions[0].choices[command])
+    return {next(o for o in a.option_strings if o.startswith("--")) for a in parser._actions
+            if a.option_strings and a.nargs != 0 and a.dest != "help"}
+
+
+@pytest.mark.parametrize("command", list(BAD_VALUES))
+def test_every_option_is_walked(command):
+    assert _valued_options(command) == set(BAD_VALUES[command])
+
+
+@pytest.mark.parametrize("command, option, value", [
+    (command, option, value) for command, options in BAD_VALUES.items()
+    for option, values in options.items() for value in values])
+def test_a_bad_option_value_is_refused_before_any_work(capsys, monkeypatch, command, option,
+                                                       value):
+    """argparse's error naming the option (exit 2), and no work: the simulator, the demo's
+    engine and the size report are never reached."""
+    from pagedkv.tools import demo, sim
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the options were checked")
+
+    monkeypatch.setattr(sim, "simulate", no_work)
+    monkeypatch.setattr(sim, "sweep", no_work)
+    monkeypatch.setattr(demo, "run_demo", no_work)
+    monkeypatch.setattr(cli, "size_report", no_work)
+    base = {"size": ["size", "--model", "llama-3-8b"], "simulate": SMALL_SIM,
+            "demo": ["demo"]}[command]
+    code, _, err = run(capsys, *base, f"{option}={value}")
+    assert code == 2, err
+    message = err.strip().splitlines()[-1]  # argparse's "prog: error: argument --x: ..."
+    assert "error: argument --" in message and option in message, err

@@ -5,8 +5,9 @@ Examples::
     pagedkv info
     pagedkv size --model llama-3-8b --seq-len 8192 --batch 16 --memory 80GiB
     pagedkv size --layers 32 --kv-heads 8 --head-size 128 --cache-dtype fp8 --json
-    pagedkv simulate --trace sharegpt --requests 1000 --memory 8GiB --plot sim.png
-    pagedkv simulate --trace requests.jsonl --num-blocks 2048 --json
+    pagedkv simulate --rate 4 --plot memory.png
+    pagedkv simulate --sweep-rate --plot latency.png --json
+    pagedkv simulate --trace requests.jsonl --num-blocks 2048 --calibrate bench_engine.json
     pagedkv bench --quick
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -24,7 +26,8 @@ import torch
 
 from pagedkv import __version__
 from pagedkv.cache.spec import KVCacheSpec
-from pagedkv.tools.presets import DTYPES, MODELS, format_bytes, get_model, parse_bytes, size_report
+from pagedkv.tools import argtypes
+from pagedkv.tools.presets import DTYPES, MODELS, format_bytes, get_model, size_report
 
 __all__ = ["main"]
 
@@ -120,27 +123,33 @@ def _add_size(sub: argparse._SubParsersAction) -> None:
     p = _command(sub, "size", _size, "KV cache size of a model preset or given dimensions",
                  "KV cache size: kv_cache_bytes = 2 (K and V) x layers x kv_heads x head_size\n"
                  "x seq_len x batch x bytes per element. Model presets: see --list-models.")
-    p.add_argument("--model", help="a preset (case-insensitive); see --list-models")
+    p.add_argument("--model", type=_preset, help="a preset (case-insensitive); see --list-models")
     p.add_argument("--list-models", action="store_true", help="list the presets and exit")
-    p.add_argument("--layers", type=int, help="attention layers (overrides the preset)")
-    p.add_argument("--kv-heads", type=int, help="key/value heads per layer (GQA: < query heads)")
-    p.add_argument("--head-size", type=int, help="elements per head")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's "
-                   "max_position_embeddings, or 4096)")
-    p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+    p.add_argument("--layers", type=argtypes.positive_int,
+                   help="attention layers (overrides the preset)")
+    p.add_argument("--kv-heads", type=argtypes.positive_int,
+                   help="key/value heads per layer (GQA: < query heads)")
+    p.add_argument("--head-size", type=argtypes.positive_int, help="elements per head")
+    p.add_argument("--seq-len", type=argtypes.positive_int,
+                   help="tokens per sequence (default: the model's max_position_embeddings, "
+                        "or 4096)")
+    p.add_argument("--batch", type=argtypes.positive_int, default=1, help="sequences (default 1)")
     p.add_argument("--dtype", choices=DTYPES, metavar="DTYPE",
                    help="model dtype (default: the preset's, or bf16)")
     p.add_argument("--cache-dtype", choices=DTYPES, metavar="DTYPE",
                    help="cache dtype: fp16, bf16, fp32, fp8 (e4m3), fp8_e5m2 (default: --dtype)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--memory", help="a memory budget for the cache, e.g. 80GiB or 40GB")
+    p.add_argument("--block-size", type=argtypes.positive_int, default=16,
+                   help="tokens per block (default 16)")
+    p.add_argument("--memory", type=argtypes.byte_size,
+                   help="a memory budget for the cache, e.g. 80GiB or 40GB")
+    p.set_defaults(parser=p)
 
 
 def _size_spec(args: argparse.Namespace) -> tuple[str, KVCacheSpec, int]:
-    preset = get_model(args.model) if args.model else None
+    preset = args.model
     dims = [args.layers, args.kv_heads, args.head_size]
     if preset is None and None in dims:
-        raise ValueError("give --model NAME or all of --layers, --kv-heads and --head-size")
+        args.parser.error("give --model NAME or all of --layers, --kv-heads and --head-size")
     defaults = (preset.num_layers, preset.num_kv_heads, preset.head_size) if preset else dims
     layers, kv_heads, head_size = (d if d is not None else p for d, p in
                                    zip(dims, defaults, strict=True))
@@ -155,9 +164,7 @@ def _size(args: argparse.Namespace) -> int:
     if args.list_models:
         return _list_models(args)
     name, spec, seq_len = _size_spec(args)
-    if seq_len <= 0 or args.batch <= 0:
-        raise ValueError("--seq-len and --batch must be positive")
-    memory = parse_bytes(args.memory) if args.memory else None
+    memory = args.memory
     r = size_report(spec, seq_len, args.batch, memory)
     dtype = str(spec.kv_dtype).removeprefix("torch.")
     data = {"model": name, "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
@@ -199,78 +206,234 @@ def _list_models(args: argparse.Namespace) -> int:
 # simulate -----------------------------------------------------------------------------------
 
 
+def _preset(text: str):
+    try:
+        return get_model(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _device(text: str):
+    from pagedkv.tools.costmodel import get_device
+
+    try:
+        return get_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _trace(text: str) -> str:
+    from pagedkv.tools.traces import TRACES
+
+    if text in TRACES:
+        return text
+    try:
+        return str(argtypes.existing_file(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected {', '.join(TRACES)} or a JSONL file, got {text!r} (no such file)") from None
+
+
+_SIMULATE_EPILOG = """examples:
+  pagedkv simulate                                   ShareGPT-like, H100, Llama-3-8B, all at once
+  pagedkv simulate --rate 4 --json                   Poisson arrivals at 4 requests/s
+  pagedkv simulate --sweep-rate --plot rate.png      latency vs request rate, sustained rates
+  pagedkv simulate --device a100-40gb --model opt-13b --sweep-rate   the vLLM paper's setting
+  pagedkv simulate --trace requests.jsonl --num-blocks 2048 --calibrate bench_engine.json
+The model behind the numbers (strategies, cost model, metrics): docs/simulator.md."""
+
+
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
-    from pagedkv.tools import sim, traces
+    from pagedkv.tools import sim
 
     p = _command(sub, "simulate", _simulate,
-                 "serving simulation: contiguous vs paged vs paged + prefix sharing",
-                 (sim.__doc__ or "") + "\n" + (traces.__doc__ or ""))
-    p.add_argument("--trace", default="sharegpt",
-                   help="sharegpt, alpaca, or a JSONL file (default sharegpt)")
-    p.add_argument("--requests", "-n", type=int, default=1000,
-                   help="requests of a synthetic trace (default 1000)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--system-share", type=float, default=0.3, help="share of synthetic "
-                   "requests that open with a common system prompt (default 0.3)")
-    p.add_argument("--system-prompts", type=int, default=4,
-                   help="distinct system prompts (default 4)")
-    p.add_argument("--system-len", type=int, default=200,
-                   help="mean system prompt length in tokens (default 200)")
-    p.add_argument("--max-len", type=int, default=2048, help="max prompt + output tokens: "
-                   "the reservation of contiguous-max (default 2048)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--num-blocks", type=int, help="the KV budget in blocks (overrides --memory)")
-    p.add_argument("--memory", default="8GiB",
-                   help="the KV budget in bytes of --model's cache (default 8GiB)")
-    p.add_argument("--model", default="llama-3-8b", help="model for --memory (default llama-3-8b)")
-    p.add_argument("--cache-dtype", choices=DTYPES, metavar="DTYPE",
-                   help="cache dtype for --memory (default: the model's)")
-    p.add_argument("--max-running", type=int, default=0,
-                   help="cap on running requests (default 0: none)")
-    p.add_argument("--arrival-rate", type=float, default=0.0, help="Poisson arrivals, requests "
-                   "per step (default 0: all requests queued at step 0)")
-    p.add_argument("--strategies", default=",".join(sim.STRATEGIES),
-                   help="comma-separated subset of " + ", ".join(sim.STRATEGIES))
-    p.add_argument("--plot", metavar="PNG", help="write a plot of memory and concurrency")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+                 "serving simulation with time: contiguous vs paged vs paged + prefix sharing",
+                 "Serve a request trace with the engine's scheduler, priced by a step cost model "
+                 "(a device's roofline, or steps measured here); report throughput and latency "
+                 "per strategy under one KV budget.")
+    p.epilog = _SIMULATE_EPILOG
+    trace = p.add_argument_group("trace")
+    trace.add_argument("--trace", type=_trace, default="sharegpt",
+                       help="sharegpt, alpaca, or a JSONL file (default sharegpt)")
+    trace.add_argument("--requests", "-n", type=argtypes.positive_int, default=1000,
+                       help="requests of a synthetic trace (default 1000)")
+    trace.add_argument("--seed", type=argtypes.count, default=0,
+                       help="seed of the trace and the arrivals (default 0)")
+    trace.add_argument("--system-share", type=argtypes.fraction, default=0.3,
+                       help="share of requests behind a common system prompt (default 0.3)")
+    trace.add_argument("--system-prompts", type=argtypes.positive_int, default=4,
+                       help="distinct system prompts (default 4)")
+    trace.add_argument("--system-len", type=argtypes.positive_int, default=200,
+                       help="mean system prompt length, tokens (default 200)")
+    trace.add_argument("--max-len", type=argtypes.positive_int, default=2048,
+                       help="max prompt + output tokens; contiguous reserves it (default 2048)")
+    hw = p.add_argument_group("model, device and KV budget")
+    hw.add_argument("--model", type=_preset, default="llama-3-8b",
+                    help="model preset (default llama-3-8b; pagedkv size --list-models)")
+    hw.add_argument("--device", type=_device, default="h100",
+                    help="device preset: " + ", ".join(_device_names()) + " (default h100)")
+    hw.add_argument("--calibrate", type=argtypes.existing_file, metavar="JSON",
+                    help="price steps with a fit of steps measured here "
+                         "(bench/bench_engine.py's JSON) instead of the device roofline")
+    hw.add_argument("--calibrated-model", metavar="NAME",
+                    help="which model of the --calibrate file (when it holds several)")
+    hw.add_argument("--memory", type=argtypes.byte_size,
+                    help="KV budget in bytes, e.g. 8GiB (default: 90%% of the device's memory "
+                         "minus the weights)")
+    hw.add_argument("--num-blocks", type=argtypes.positive_int,
+                    help="KV budget in blocks (overrides --memory)")
+    hw.add_argument("--block-size", type=argtypes.positive_int, default=16,
+                    help="tokens per block (default 16)")
+    hw.add_argument("--cache-dtype", choices=DTYPES, metavar="DTYPE",
+                    help="cache dtype (default: the model's)")
+    sched = p.add_argument_group("scheduler")
+    sched.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256,
+                       help="requests in a batch at most (default 256)")
+    sched.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=4096,
+                       help="prompt tokens admitted per step (default 4096)")
+    sched.add_argument("--cpu-blocks", type=argtypes.count, default=0,
+                       help="CPU swap space in blocks; 0 preempts by recompute (default 0)")
+    load = p.add_argument_group("load")
+    load.add_argument("--rate", type=argtypes.rate, default=float("inf"),
+                      help="Poisson arrivals, requests/s (default inf: all at time 0)")
+    load.add_argument("--sweep-rate", action="store_true",
+                      help="run a range of rates (--rates) and report the sustained ones")
+    load.add_argument("--rates", type=argtypes.rates,
+                      help="rates of --sweep-rate, e.g. 1,2,4,8 (default: 10 rates from 0.1x to "
+                           "3x the best strategy's throughput with every request queued at once)")
+    load.add_argument("--latency-target", type=argtypes.positive_float, default=0.1,
+                      help="mean normalized latency a sustained rate stays within, s/token "
+                           "(default 0.1)")
+    out = p.add_argument_group("output")
+    out.add_argument("--strategies", type=argtypes.choices_list(sim.STRATEGIES),
+                     default=list(sim.STRATEGIES),
+                     help="comma-separated subset of " + ", ".join(sim.STRATEGIES))
+    out.add_argument("--plot", type=argtypes.output_file, metavar="PNG",
+                     help="write a plot: memory over time, or latency vs rate with --sweep-rate")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(parser=p)
+
+
+def _device_names() -> list[str]:
+    from pagedkv.tools.costmodel import DEVICES
+
+    return list(DEVICES)
 
 
 def _simulate(args: argparse.Namespace) -> int:
     from pagedkv.tools import report, sim, traces
+    from pagedkv.tools.costmodel import RooflineModel, load_calibration
 
+    parser = args.parser
+    if args.rates and not args.sweep_rate:
+        parser.error("argument --rates: needs --sweep-rate")
+    if args.sweep_rate and args.rate != float("inf"):
+        parser.error("argument --rate: not with --sweep-rate (give --rates)")
+    if args.calibrated_model and not args.calibrate:
+        parser.error("argument --calibrated-model: needs --calibrate")
     if args.trace in traces.TRACES:
         requests = traces.synthetic_trace(
             args.trace, args.requests, args.seed, args.max_len, args.system_prompts,
             args.system_share, args.system_len)
     else:
-        requests = traces.load_jsonl(args.trace)
-    spec = get_model(args.model).spec(args.block_size, args.cache_dtype)
-    num_blocks = args.num_blocks or spec.num_blocks_for(parse_bytes(args.memory))
-    if num_blocks < 2:
-        raise ValueError(f"a budget of {num_blocks} block(s) is too small")
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    progress = not args.no_progress and sys.stderr.isatty()
-    results = sim.simulate(requests, num_blocks, args.block_size, args.max_len, strategies,
-                           args.max_running, args.arrival_rate, args.seed, progress)
+        try:
+            requests = traces.load_jsonl(args.trace)
+        except ValueError as e:
+            parser.error(f"argument --trace: {e}")
+    roofline = RooflineModel(args.model, args.device, args.cache_dtype, args.block_size)
+    if args.calibrate:
+        try:
+            cost = load_calibration(args.calibrate, args.calibrated_model)
+        except (ValueError, KeyError) as e:
+            parser.error(f"argument --calibrate: {e}")
+    else:
+        cost = roofline
+    spec = args.model.spec(args.block_size, args.cache_dtype)
+    if args.num_blocks:
+        num_blocks, source = args.num_blocks, "--num-blocks"
+    elif args.memory:
+        num_blocks, source = spec.num_blocks_for(args.memory), f"{format_bytes(args.memory)}"
+    else:
+        try:
+            memory = roofline.kv_cache_bytes()
+        except ValueError as e:
+            parser.error(f"argument --device: {e}")
+        num_blocks = spec.num_blocks_for(memory)
+        source = f"90% of {args.device.name} minus {args.model.name}'s weights"
+    num_slots = num_blocks * args.block_size
+    too_long = max(r.final_len for r in requests)
+    if too_long > args.max_len:
+        parser.error(f"argument --max-len: a request of the trace holds {too_long} tokens, more "
+                     f"than --max-len {args.max_len}")
+    if "contiguous" in args.strategies and args.max_len > num_slots:
+        parser.error(f"argument --max-len: contiguous reserves {args.max_len} slots per request, "
+                     f"more than the budget of {num_slots} ({source})")
+    if num_slots < too_long:
+        parser.error(f"the KV budget of {num_slots} token slots ({source}) holds no request of "
+                     f"{too_long} tokens; raise --memory or --num-blocks")
+    scheduler = dict(max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
+                     num_cpu_blocks=args.cpu_blocks)
+    kwargs = dict(block_size=args.block_size, max_len=args.max_len, seed=args.seed, **scheduler)
     stats = traces.trace_stats(requests)
-    slots = num_blocks * args.block_size
-    budget = f"{num_blocks:,} blocks x {args.block_size} = {slots:,} token slots"
-    if not args.num_blocks:
-        budget += f" ({args.memory} of {get_model(args.model).name} KV cache)"
+    priced = (f"steps priced by {args.calibrate.name}" if args.calibrate else
+              f"{args.model.name} on {args.device.name} (roofline)")
+    budget = f"{num_blocks:,} blocks x {args.block_size} = {num_slots:,} token slots ({source})"
+    config = {k: (v.name if hasattr(v, "name") and not isinstance(v, str) else
+                  str(v) if isinstance(v, Path) else v)
+              for k, v in vars(args).items() if k not in ("run", "json", "no_progress", "parser")}
+    config |= {"num_blocks": num_blocks, "rate": str(args.rate)}
+    head = [f"trace    {Path(args.trace).name}: {stats['requests']} requests, prompt mean "
+            f"{stats['prompt_mean']:.0f} (p99 {stats['prompt_p99']:.0f}), output mean "
+            f"{stats['output_mean']:.0f} (p99 {stats['output_p99']:.0f}), "
+            f"{stats['prefix_share']:.0%} with a shared prefix",
+            f"cost     {priced}", f"budget   {budget}, max_len {args.max_len}"]
+    progress = _progress(not args.no_progress and sys.stderr.isatty())
+    if not args.sweep_rate:
+        results = sim.simulate(requests, cost, num_slots, args.rate, args.strategies, **kwargs)
+        if args.plot:
+            report.plot(results, args.plot, num_slots, f"{head[0][9:]}\n{budget}")
+        data = report.to_json(results, config=config, trace=stats)
+        arrivals = ("all at time 0" if math.isinf(args.rate) else
+                    f"Poisson, {args.rate:g} requests/s")
+        head.append(f"arrivals {arrivals}")
+        text = "\n".join([*head, "", report.format_table(results)]
+                         + ([f"\nplot written to {args.plot}"] if args.plot else []))
+        return _print(args, data, text)
+    rates = args.rates
+    if rates is None:  # 10 rates from 0.1x to 3x the best throughput with all queued at once
+        saturated = sim.simulate(requests, cost, num_slots, math.inf, args.strategies, **kwargs)
+        best = max(r.throughput for r in saturated.values())
+        rates = [float(f"{best * 0.1 * 30 ** (i / 9):.3g}") for i in range(10)]
+    results = sim.sweep(requests, cost, num_slots, rates, args.strategies, progress, **kwargs)
     if args.plot:
-        report.plot(results, args.plot, slots, f"{args.trace}: {len(requests)} requests, "
-                        f"{budget}")
-    config = {k: v for k, v in vars(args).items() if k not in ("run", "json", "no_progress")}
-    data = report.to_json(results, config=config | {"num_blocks": num_blocks}, trace=stats)
-    text = "\n".join([
-        f"trace    {args.trace}: {stats['requests']} requests, prompt mean "
-        f"{stats['prompt_mean']:.0f} (p99 {stats['prompt_p99']:.0f}), output mean "
-        f"{stats['output_mean']:.0f} (p99 {stats['output_p99']:.0f}), "
-        f"{stats['prefix_share']:.0%} with a shared prefix",
-        f"budget   {budget}, max_len {args.max_len}", "",
-        report.format_table(results),
-    ] + ([f"\nplot written to {args.plot}"] if args.plot else []))
+        report.plot_sweep(results, args.plot, args.latency_target,
+                          f"{Path(args.trace).name}, {priced}")
+    data = report.sweep_json(results, args.latency_target, config=config, trace=stats)
+    text = "\n".join([*head, "", report.format_sweep(results, args.latency_target)]
+                     + ([f"\nplot written to {args.plot}"] if args.plot else []))
     return _print(args, data, text)
+
+
+def _progress(enabled: bool):
+    """A progress callback (done, total) drawing a tqdm bar on stderr, or None."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc="sweep", unit="run", leave=False)
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    return update
 
 
 # bench, demo --------------------------------------------------------------------------------

@@ -28,7 +28,17 @@ DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True, slots=True)
 class ModelPreset:
-    """The KV-relevant shape of a published model (from its ``config.json``)."""
+    """The shape of a published model (from its ``config.json``): its KV cache, and the sizes the
+    step cost model needs (parameters, weight bytes, FLOPs per token).
+
+    ``hidden_size``, ``intermediate_size`` and ``vocab_size`` are 0 for a preset that only
+    describes a KV cache; the parameter counts then raise ValueError. The counts cover the
+    matrices (embeddings, attention q/k/v/o under GQA, the MLP, lm_head unless tied, MoE routers);
+    norms, biases and learned position embeddings (under 0.1% of every preset here) are left out.
+    ``gated_mlp``: three MLP matrices (gate, up, down: SwiGLU/GeGLU) or two (up, down: OPT's
+    ReLU MLP). Mixture-of-experts presets hold ``num_experts`` MLPs per layer, of which
+    ``num_active_experts`` run for each token.
+    """
 
     name: str
     num_layers: int
@@ -38,6 +48,13 @@ class ModelPreset:
     max_len: int  # max_position_embeddings
     dtype: str = "bf16"
     note: str = ""
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    vocab_size: int = 0
+    tied_embeddings: bool = False
+    gated_mlp: bool = True
+    num_experts: int = 1
+    num_active_experts: int = 1
 
     def spec(self, block_size: int = 16, cache_dtype: str | None = None) -> KVCacheSpec:
         """The KVCacheSpec of this model's cache."""
@@ -45,22 +62,93 @@ class ModelPreset:
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_size, block_size,
                            DTYPES[self.dtype], kv)
 
+    def _require_dims(self) -> None:
+        if not (self.hidden_size and self.intermediate_size and self.vocab_size):
+            raise ValueError(f"preset {self.name} has no hidden_size / intermediate_size / "
+                             "vocab_size: only its KV cache is described")
+
+    @property
+    def embedding_params(self) -> int:
+        """The token embedding table (the lm_head has as many, shared when tied)."""
+        self._require_dims()
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def attention_params(self) -> int:
+        """q, k, v and o projections of one layer; k and v have ``num_kv_heads`` heads (GQA)."""
+        self._require_dims()
+        q_dim, kv_dim = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        return 2 * self.hidden_size * q_dim + 2 * self.hidden_size * kv_dim
+
+    @property
+    def expert_params(self) -> int:
+        """One MLP (one expert of a mixture) of one layer."""
+        self._require_dims()
+        return (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
+
+    def _layer_params(self, experts: int) -> int:
+        router = self.hidden_size * self.num_experts if self.num_experts > 1 else 0
+        return self.attention_params + experts * self.expert_params + router
+
+    @property
+    def num_params(self) -> int:
+        """All parameters (every expert of a mixture): what the weights take in memory."""
+        lm_head = 0 if self.tied_embeddings else self.embedding_params
+        return (self.embedding_params + lm_head
+                + self.num_layers * self._layer_params(self.num_experts))
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token uses: the active experts only (= ``num_params`` if dense)."""
+        lm_head = 0 if self.tied_embeddings else self.embedding_params
+        return (self.embedding_params + lm_head
+                + self.num_layers * self._layer_params(self.num_active_experts))
+
+    def weight_bytes(self, dtype: str | None = None) -> int:
+        """Bytes of all the weights in ``dtype`` (default: the preset's)."""
+        dtype = dtype or self.dtype
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return self.num_params * torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+    def flops_per_token(self, lm_head: bool = True) -> int:
+        """2 x the matmul parameters one token goes through (a multiply and an add each):
+        every layer's attention projections and active experts (with the router), plus the
+        lm_head when ``lm_head``. The embedding lookup is not a matmul and the attention
+        scores depend on the context, so neither is counted here."""
+        params = self.num_layers * self._layer_params(self.num_active_experts)
+        return 2 * (params + (self.embedding_params if lm_head else 0))
+
+
+_LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256}
+_MISTRAL_7B = {"hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 32000}
 
 MODELS: dict[str, ModelPreset] = {m.name.lower(): m for m in [
-    ModelPreset("Llama-3-8B", 32, 32, 8, 128, 8192),
-    ModelPreset("Llama-3.1-8B", 32, 32, 8, 128, 131072),
-    ModelPreset("Llama-3-70B", 80, 64, 8, 128, 8192),
-    ModelPreset("Llama-3.1-405B", 126, 128, 8, 128, 131072),
-    ModelPreset("Llama-2-7B", 32, 32, 32, 128, 4096, "fp16", "MHA: no GQA"),
+    ModelPreset("Llama-3-8B", 32, 32, 8, 128, 8192, **_LLAMA3_8B),
+    ModelPreset("Llama-3.1-8B", 32, 32, 8, 128, 131072, **_LLAMA3_8B),
+    ModelPreset("Llama-3-70B", 80, 64, 8, 128, 8192, hidden_size=8192, intermediate_size=28672,
+                vocab_size=128256),
+    ModelPreset("Llama-3.1-405B", 126, 128, 8, 128, 131072, hidden_size=16384,
+                intermediate_size=53248, vocab_size=128256),
+    ModelPreset("Llama-2-7B", 32, 32, 32, 128, 4096, "fp16", "MHA: no GQA", hidden_size=4096,
+                intermediate_size=11008, vocab_size=32000),
     ModelPreset("Mistral-7B", 32, 32, 8, 128, 32768,
-                note="v0.1 attends a 4096-token sliding window; v0.3 does not"),
-    ModelPreset("Mixtral-8x7B", 32, 32, 8, 128, 32768),
+                note="v0.1 attends a 4096-token sliding window; v0.3 does not", **_MISTRAL_7B),
+    ModelPreset("Mixtral-8x7B", 32, 32, 8, 128, 32768,
+                note="8 experts, 2 active per token: weights count all 8, FLOPs the 2",
+                num_experts=8, num_active_experts=2, **_MISTRAL_7B),
     ModelPreset("Qwen2.5-7B", 28, 28, 4, 128, 32768,
-                note="config.json of the base model: 131072; Instruct: 32768 (131072 with YaRN)"),
+                note="config.json of the base model: 131072; Instruct: 32768 (131072 with YaRN)",
+                hidden_size=3584, intermediate_size=18944, vocab_size=152064),
     ModelPreset("Gemma-2-9B", 42, 16, 8, 256, 8192,
                 note="config.json: float32; every other layer attends a 4096-token sliding "
-                     "window, sizes assume full caches on all layers"),
-    ModelPreset("OPT-13B", 40, 40, 40, 128, 2048, "fp16", "the vLLM paper's model: 800 KB/token"),
+                     "window, sizes assume full caches on all layers",
+                hidden_size=3584, intermediate_size=14336, vocab_size=256000,
+                tied_embeddings=True),
+    ModelPreset("OPT-13B", 40, 40, 40, 128, 2048, "fp16",
+                "the vLLM paper's model: 800 KB/token; ReLU MLP (2 matrices)", hidden_size=5120,
+                intermediate_size=20480, vocab_size=50272, tied_embeddings=True,
+                gated_mlp=False),
 ]}
 
 

@@ -36,8 +36,9 @@ from pagedkv.serving.engine import ServingLoop
 from pagedkv.serving.scheduler import EngineConfig, Request, SamplingParams, StepShape
 from pagedkv.tools import traces
 
-__all__ = ["STRATEGIES", "SimulatedServer", "SimulationError", "StrategyResult", "poisson_arrivals",
-           "simulate", "strategy_config", "sustained_rate", "sweep"]
+__all__ = ["STRATEGIES", "SimulatedServer", "SimulationError", "StrategyResult", "drive",
+           "poisson_arrivals", "run_strategy", "simulate", "strategy_config", "sustained_rate",
+           "sweep"]
 
 STRATEGIES = ("contiguous", "paged", "paged+prefix")
 
@@ -159,21 +160,31 @@ def run_strategy(name: str, requests: Sequence[traces.Request], arrivals: Sequen
     """Serve ``requests`` arriving at ``arrivals`` under one strategy (see the module doc)."""
     config = strategy_config(name, num_slots, block_size, max_len, **scheduler)
     server = SimulatedServer(config, cost, max_len)
-    order = sorted(range(len(requests)), key=arrivals.__getitem__)
+    try:
+        queued = drive(server, arrivals, lambda i, t: server.add_trace_request(requests[i], t))
+    except RuntimeError as e:
+        raise SimulationError(f"{name}: {e}") from None
+    return _result(name, server, queued)
+
+
+def drive(loop: ServingLoop, arrivals: Sequence[float],
+          add: Callable[[int, float], Request]) -> list[Request]:
+    """Run ``loop`` until every request has arrived and finished: request ``i`` is added by
+    ``add(i, arrival_time)`` once the loop's clock reaches ``arrivals[i]``; an idle loop jumps
+    to the next arrival. Returns the requests in arrival order. The engine and the simulator are
+    driven alike (bench/validate_sim.py runs both)."""
+    order = sorted(range(len(arrivals)), key=arrivals.__getitem__)
     queued: list[Request] = []
     i = 0
-    while i < len(order) or server.has_unfinished():
-        while i < len(order) and arrivals[order[i]] <= server.clock:
-            queued.append(server.add_trace_request(requests[order[i]], arrivals[order[i]]))
+    while i < len(order) or loop.has_unfinished():
+        while i < len(order) and arrivals[order[i]] <= loop.clock:
+            queued.append(add(order[i], arrivals[order[i]]))
             i += 1
-        if not server.has_unfinished():
-            server.clock = arrivals[order[i]]
+        if not loop.has_unfinished():
+            loop.clock = arrivals[order[i]]
             continue
-        try:
-            server.step()
-        except RuntimeError as e:
-            raise SimulationError(f"{name}: {e}") from None
-    return _result(name, server, queued)
+        loop.step()
+    return queued
 
 
 def _result(name: str, server: SimulatedServer, queued: list[Request]) -> StrategyResult:
