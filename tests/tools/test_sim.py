@@ -152,18 +152,19 @@ def test_paging_serves_more_requests_at_once_and_sustains_a_higher_rate():
     target = 2 * slow["paged"].normalized_latency["mean"]
     paged_rate = sim.sustained_rate(results, "paged", target)
     contiguous_rate = sim.sustained_rate(results, "contiguous", target)
-    assert (contiguous_rate, paged_rate) == (0.5, 2.0)  # contiguous holds 8, paging ~15
+    assert 0.5 <= contiguous_rate < 2.0 <= paged_rate  # contiguous holds 8, paging ~15
     json.dumps({rate: {n: r.summary() for n, r in by.items()} for rate, by in results.items()})
 
 
-def test_sustained_rate_is_the_last_rate_within_the_target():
+def test_sustained_rate_is_where_the_latency_crosses_the_target():
     def result(latency):
         r = sim.StrategyResult("x", 1, 1, 1.0, 1.0, 1.0, {}, {}, {"mean": latency}, 1, 1, 1.0,
                                0.0, 0, 0, 0, 0.0, None)
         return {"x": r}
 
     results = {1.0: result(0.1), 2.0: result(0.2), 4.0: result(0.5), 8.0: result(0.3)}
-    assert sim.sustained_rate(results, "x", 0.25) == 2.0  # 8.0 is after a miss
+    assert sim.sustained_rate(results, "x", 0.2) == 2.0
+    assert sim.sustained_rate(results, "x", 0.35) == pytest.approx(3.0)  # halfway to 0.5 at 4
     assert sim.sustained_rate(results, "x", 0.05) is None
     assert sim.sustained_rate(results, "x", 1.0) == 8.0
 

@@ -72,7 +72,10 @@ def sustained(results: dict[float, dict[str, StrategyResult]], target: float) ->
     base = rates[names[0]]
     ratios = {f"{name} / {names[0]}": (rate / base if rate and base else None)
               for name, rate in rates.items() if name != names[0]}
-    return {"latency_target_s_per_token": target, "sustained_rate": rates, "ratio": ratios}
+    top = max(results)  # within the target at every swept rate: the rate is a lower bound
+    return {"latency_target_s_per_token": target, "sustained_rate": rates,
+            "sustained_beyond_sweep": {name: rate == top for name, rate in rates.items()},
+            "ratio": ratios}
 
 
 def sweep_json(results: dict[float, dict[str, StrategyResult]], target: float,
@@ -92,8 +95,12 @@ def format_sweep(results: dict[float, dict[str, StrategyResult]], target: float)
             f"{_s(by[n].normalized_latency['mean']):>17} {by[n].throughput:>8.2f}" for n in names))
     data = sustained(results, target)
     lines.append("")
+    beyond = data["sustained_beyond_sweep"]
     lines.append(f"sustained rate (mean normalized latency <= {_s(target)}/token): " + ", ".join(
-        f"{n} {r if r is not None else '-'}" for n, r in data["sustained_rate"].items()))
+        f"{n} {'>=' if beyond[n] else ''}{f'{r:.3g}' if r is not None else '-'}"
+        for n, r in data["sustained_rate"].items()))
+    if any(beyond.values()):
+        lines.append("  >=: within the target at every swept rate; sweep higher (--rates)")
     lines += [f"  {k}: {v:.2f}x" for k, v in data["ratio"].items() if v is not None]
     return "\n".join(lines)
 

@@ -282,12 +282,17 @@ def sweep(
 
 def sustained_rate(results: dict[float, dict[str, StrategyResult]], strategy: str,
                    target: float, metric: str = "mean") -> float | None:
-    """The highest swept rate at which ``strategy``'s normalized latency (``metric``: mean or a
-    percentile) stays within ``target`` seconds/token, at it and every lower rate (None: not
-    even the lowest)."""
+    """The request rate at which ``strategy``'s normalized latency (``metric``: mean or a
+    percentile) reaches ``target`` seconds/token: the last swept rate within the target (at it
+    and every lower rate), moved toward the next by linear interpolation of the latency between
+    the two. None: not even the lowest rate is within; the highest rate when all are."""
     best = None
     for rate in sorted(results):
-        if results[rate][strategy].normalized_latency[metric] > target:
-            break
+        latency = results[rate][strategy].normalized_latency[metric]
+        if latency > target:
+            if best is None:
+                return None
+            below = results[best][strategy].normalized_latency[metric]
+            return best + (target - below) * (rate - best) / (latency - below)
         best = rate
     return best
