@@ -116,6 +116,18 @@ def test_simulate_jsonl_memory_budget_and_calibration(capsys, tmp_path):
     assert paged["finished"] == 12 and paged["ttft"]["p50"] > 0.002
     code, _, err = run(capsys, "simulate", "--trace", str(path), "--memory", "64MiB")
     assert code == 2 and "contiguous reserves 2048" in err
+    timed = tmp_path / "timed.jsonl"
+    timed.write_text("".join(json.dumps({"prompt_len": 20, "output_len": 4,
+                                         "arrival_time": 100.0 * i}) + "\n" for i in range(3)))
+    code, out, _ = run(capsys, "simulate", "--trace", str(timed), "--memory", "64MiB",
+                       "--max-len", "256", "--strategies", "paged")
+    assert code == 0 and "the trace's arrival times" in out
+    data = run_json(capsys, "simulate", "--trace", str(timed), "--memory", "64MiB",
+                    "--max-len", "256", "--strategies", "paged")
+    assert data["strategies"]["paged"]["duration"] > 200  # idle between the arrivals
+    data = run_json(capsys, "simulate", "--trace", str(timed), "--memory", "64MiB",
+                    "--max-len", "256", "--strategies", "paged", "--rate", "inf")
+    assert data["strategies"]["paged"]["duration"] < 10
 
 
 def test_help_of_each_command(capsys):

@@ -45,3 +45,17 @@ def test_jsonl_trace(tmp_path):
     path.write_text('{"prompt_len": 4, "output_len": 0}\n')
     with pytest.raises(ValueError, match="trace.jsonl:1"):
         load_jsonl(path)
+
+
+def test_jsonl_arrival_times(tmp_path):
+    path = tmp_path / "timed.jsonl"
+    path.write_text("".join(json.dumps({"prompt_len": 8, "output_len": 2, "arrival_time": t})
+                            + "\n" for t in (0.5, 0.0, 2.25)))
+    assert [r.arrival_time for r in load_jsonl(path)] == [0.5, 0.0, 2.25]
+    path.write_text('{"prompt_len": 8, "output_len": 2, "arrival_time": 1}\n'
+                    '{"prompt_len": 8, "output_len": 2}\n')
+    with pytest.raises(ValueError, match="1 of 2 requests have an arrival_time"):
+        load_jsonl(path)
+    path.write_text('{"prompt_len": 8, "output_len": 2, "arrival_time": -1}\n')
+    with pytest.raises(ValueError, match="timed.jsonl:1: arrival_time"):
+        load_jsonl(path)

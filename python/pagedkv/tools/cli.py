@@ -294,8 +294,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sched.add_argument("--cpu-blocks", type=argtypes.count, default=0,
                        help="CPU swap space in blocks; 0 preempts by recompute (default 0)")
     load = p.add_argument_group("load")
-    load.add_argument("--rate", type=argtypes.rate, default=float("inf"),
-                      help="Poisson arrivals, requests/s (default inf: all at time 0)")
+    load.add_argument("--rate", type=argtypes.rate,
+                      help="Poisson arrivals, requests/s, seeded; inf: all at time 0 (default: "
+                           "the trace's arrival_time if it has them, else inf)")
     load.add_argument("--sweep-rate", action="store_true",
                       help="run a range of rates (--rates) and report the sustained ones")
     load.add_argument("--rates", type=argtypes.rates,
@@ -327,7 +328,7 @@ def _simulate(args: argparse.Namespace) -> int:
     parser = args.parser
     if args.rates and not args.sweep_rate:
         parser.error("argument --rates: needs --sweep-rate")
-    if args.sweep_rate and args.rate != float("inf"):
+    if args.sweep_rate and args.rate is not None:
         parser.error("argument --rate: not with --sweep-rate (give --rates)")
     if args.calibrated_model and not args.calibrate:
         parser.error("argument --calibrated-model: needs --calibrate")
@@ -382,7 +383,7 @@ def _simulate(args: argparse.Namespace) -> int:
     config = {k: (v.name if hasattr(v, "name") and not isinstance(v, str) else
                   str(v) if isinstance(v, Path) else v)
               for k, v in vars(args).items() if k not in ("run", "json", "no_progress", "parser")}
-    config |= {"num_blocks": num_blocks, "rate": str(args.rate)}
+    config |= {"num_blocks": num_blocks, "rate": None if args.rate is None else str(args.rate)}
     head = [f"trace    {Path(args.trace).name}: {stats['requests']} requests, prompt mean "
             f"{stats['prompt_mean']:.0f} (p99 {stats['prompt_p99']:.0f}), output mean "
             f"{stats['output_mean']:.0f} (p99 {stats['output_p99']:.0f}), "
@@ -390,13 +391,16 @@ def _simulate(args: argparse.Namespace) -> int:
             f"cost     {priced}", f"budget   {budget}, max_len {args.max_len}"]
     progress = _progress(not args.no_progress and sys.stderr.isatty())
     if not args.sweep_rate:
-        results = sim.simulate(requests, cost, num_slots, args.rate, args.strategies, **kwargs)
+        timed = args.rate is None and requests[0].arrival_time is not None
+        arrivals = [r.arrival_time for r in requests] if timed else None
+        rate = math.inf if args.rate is None else args.rate
+        results = sim.simulate(requests, cost, num_slots, rate, args.strategies,
+                               arrivals=arrivals, **kwargs)
         if args.plot:
             report.plot(results, args.plot, num_slots, f"{head[0][9:]}\n{budget}")
         data = report.to_json(results, config=config, trace=stats)
-        arrivals = ("all at time 0" if math.isinf(args.rate) else
-                    f"Poisson, {args.rate:g} requests/s")
-        head.append(f"arrivals {arrivals}")
+        head.append("arrivals " + ("the trace's arrival times" if timed else "all at time 0"
+                                   if math.isinf(rate) else f"Poisson, {rate:g} requests/s"))
         text = "\n".join([*head, "", report.format_table(results)]
                          + ([f"\nplot written to {args.plot}"] if args.plot else []))
         return _print(args, data, text)

@@ -19,7 +19,7 @@ prepended to the user prompt. Everything is drawn from ``numpy.random.default_rn
 JSONL: one object per line with ``prompt_len`` and ``output_len``, and optionally ``prefix_id``
 (any JSON scalar: requests with the same id open with the same tokens) with ``prefix_len``
 (default: the whole prompt), or ``prompt`` (the prompt's token ids; then ``prompt_len`` may be
-left out).
+left out), and ``arrival_time`` (seconds from the trace's start; all requests or none).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class Request:
     prefix_id: int | None = None
     prefix_len: int = 0
     prompt: tuple[int, ...] | None = None
+    arrival_time: float | None = None  # seconds, from a JSONL trace that records them
 
     @property
     def final_len(self) -> int:
@@ -124,6 +125,10 @@ def load_jsonl(path: str | Path) -> list[Request]:
                 raise ValueError(f"{path}:{lineno}: {e}") from None
     if not requests:
         raise ValueError(f"{path}: no requests")
+    timed = sum(r.arrival_time is not None for r in requests)
+    if timed not in (0, len(requests)):
+        raise ValueError(f"{path}: {timed} of {len(requests)} requests have an arrival_time; "
+                         "give it for all or none")
     return requests
 
 
@@ -135,12 +140,17 @@ def _request(index: int, row: dict, prefix_ids: dict[Hashable, int]) -> Request:
     output_len = int(row["output_len"])
     if prompt_len < 1 or output_len < 1:
         raise ValueError(f"prompt_len and output_len must be >= 1, got {prompt_len}, {output_len}")
+    arrival = row.get("arrival_time")
+    if arrival is not None:
+        arrival = float(arrival)
+        if not 0 <= arrival < float("inf"):
+            raise ValueError(f"arrival_time must be a number of seconds >= 0, got {arrival}")
     key = row.get("prefix_id")
     if key is None or prompt is not None:
-        return Request(index, prompt_len, output_len, prompt=prompt)
+        return Request(index, prompt_len, output_len, prompt=prompt, arrival_time=arrival)
     prefix_id = prefix_ids.setdefault(key, len(prefix_ids))
     prefix_len = min(int(row.get("prefix_len", prompt_len)), prompt_len)
-    return Request(index, prompt_len, output_len, prefix_id, prefix_len)
+    return Request(index, prompt_len, output_len, prefix_id, prefix_len, arrival_time=arrival)
 
 
 def trace_stats(requests: list[Request]) -> dict[str, float]:
