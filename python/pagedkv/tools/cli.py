@@ -7,7 +7,8 @@ Examples::
     pagedkv size --layers 32 --kv-heads 8 --head-size 128 --cache-dtype fp8 --json
     pagedkv simulate --rate 4 --plot memory.png
     pagedkv simulate --sweep-rate --plot latency.png --json
-    pagedkv simulate --trace requests.jsonl --num-blocks 2048 --calibrate bench_engine.json
+    pagedkv simulate --trace requests.jsonl --calibrate bench/results/bench_engine.json \\
+        --calibrated-model demo
     pagedkv bench --quick
 """
 
@@ -234,12 +235,14 @@ def _trace(text: str) -> str:
             f"expected {', '.join(TRACES)} or a JSONL file, got {text!r} (no such file)") from None
 
 
-_SIMULATE_EPILOG = """examples:
+_SIMULATE_EPILOG = """\
+examples:
   pagedkv simulate                                   ShareGPT-like, H100, Llama-3-8B, all at once
   pagedkv simulate --rate 4 --json                   Poisson arrivals at 4 requests/s
   pagedkv simulate --sweep-rate --plot rate.png      latency vs request rate, sustained rates
   pagedkv simulate --device a100-40gb --model opt-13b --sweep-rate   the vLLM paper's setting
-  pagedkv simulate --trace requests.jsonl --num-blocks 2048 --calibrate bench_engine.json
+  pagedkv simulate --trace requests.jsonl --num-blocks 2048 --calibrate \\
+      bench/results/bench_engine.json --calibrated-model demo     steps timed on this machine
 The model behind the numbers (strategies, cost model, metrics): docs/simulator.md."""
 
 
