@@ -184,7 +184,9 @@ def merge_attn_states(
 
     ``out = (e^lp * prefix_out + e^ls * suffix_out) / (e^lp + e^ls)`` and ``out_lse =
     log(e^lp + e^ls)``, computed stably in float32. An lse of -inf marks an empty part, whose
-    output row is ignored; both empty gives zeros and -inf. ``out`` may be one of the inputs.
+    output row is ignored (it may hold anything, NaN included); so does an lse of +inf, the marker
+    FlashAttention-3 and vLLM write for an empty split. Both parts empty gives zeros and an
+    ``out_lse`` of -inf. ``out`` may be one of the inputs.
 
     Parameters
     ----------
