@@ -11,7 +11,8 @@ on the CPU, backed by huge pages where Linux allows it).
 
     python bench/bench_attention.py [--quick] [--device cpu|cuda]
 
-prints a table and writes bench/results/attention.json.
+prints a table and writes bench/results/attention.json (each row names the CPU kernels in use,
+base, avx2 or avx512, as cpu_kernel; null on a GPU).
 
 The bandwidth is measured in the same loop as the op: every call of the op is followed by a
 torch.sum over 256 MiB (8x a 32 MiB L3), and the fraction is the median over those pairs of
@@ -132,6 +133,8 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
     probe = torch.ones(2**26, device=dev)  # 256 MiB, summed after every call of the op
     rows = ROWS[:1] + ROWS[2:3] if quick else ROWS
     block_sizes = BLOCK_SIZES[:1] if quick else BLOCK_SIZES
+    # The CPU kernels the op runs here (base, avx2, avx512), so results of machines compare.
+    cpu_kernel = pagedkv.ops.cpu_attention_kernel(HEAD_SIZE) if dev.type == "cpu" else None
     results = []
     for dtype in DTYPES:
         for num_seqs, seq_len in rows:
@@ -146,6 +149,7 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
                 results.append(dict(
                     dtype=str(dtype).removeprefix("torch."), num_seqs=num_seqs, seq_len=seq_len,
                     block_size=block_size, threads=torch.get_num_threads(), device=device,
+                    cpu_kernel=cpu_kernel,
                     ms=ours * 1e3, kv_bytes=kv_bytes, gbps=kv_bytes / ours / 1e9,
                     read_gbps=bandwidth / 1e9, bw_fraction=kv_bytes * inverse,
                     reference_ms=ref * 1e3, contiguous_sdpa_ms=cont * 1e3,
@@ -158,8 +162,9 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
 def print_table(results: list[dict]) -> None:
     if not results:
         return
-    print(f"{results[0]['threads']} threads, {results[0]['device']}; bw: torch.sum over 256 MiB "
-          "after every call (median); of bw: median over those pairs")
+    kernel = f" ({results[0]['cpu_kernel']} kernels)" if results[0]["cpu_kernel"] else ""
+    print(f"{results[0]['threads']} threads, {results[0]['device']}{kernel}; bw: torch.sum over "
+          "256 MiB after every call (median); of bw: median over those pairs")
     head = (f"{'dtype':>9} {'seqs x ctx':>11} {'bs':>3} {'ms':>8} {'GB/s':>6} {'bw':>5} "
             f"{'of bw':>6} {'ref ms':>8} {'x ref':>6} {'sdpa ms':>8} {'x sdpa':>6}")
     print(head)

@@ -1,10 +1,22 @@
-// The pagedkv._C Python module: the op schemas. Each backend registers its kernels with
+// The pagedkv._C Python module: the op schemas and the CPU kernel query. Each backend registers its kernels with
 // TORCH_LIBRARY_IMPL in its own file (csrc/cpu, csrc/cuda).
 #include <Python.h>
 
+#include <string>
+
+#include "cpu/attention_work.h"
 #include "schemas.h"
 
-TORCH_LIBRARY(pagedkv, m) { pagedkv::define_schemas(m); }
+TORCH_LIBRARY(pagedkv, m) {
+  pagedkv::define_schemas(m);
+  // The CPU attention kernels in use (base, avx2, avx512): a query of this build and processor,
+  // not a tensor op, so it is defined here with its one implementation rather than per backend.
+  m.def("cpu_attention_kernel(int head_size=128) -> str", [](int64_t head_size) {
+    TORCH_CHECK(head_size > 0, "cpu_attention_kernel: head_size must be positive, got ",
+                head_size);
+    return std::string(pagedkv::cpu::attention_kernel_name(static_cast<int32_t>(head_size)));
+  });
+}
 
 extern "C" PyObject* PyInit__C(void) {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};

@@ -148,6 +148,8 @@ void merge_attn_states(const MergeAttnParams& p, const at::Tensor&) {
 
 }  // namespace
 
+const char* attention_kernel_name(int32_t head_size) { return select_kernels(head_size).name; }
+
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("paged_attention", &paged_attention_op<&paged_attention>);
   m.impl("merge_attn_states", &merge_attn_states_op<&merge_attn_states>);

@@ -54,9 +54,13 @@ inline void merge_attn_states(const MergeAttnParams& p, int64_t row_begin, int64
                          (t * p.suffix_token_stride + h * p.suffix_head_stride) * bytes;
     load_row(p.dtype, prefix, D, 1.f, parts[0]);
     load_row(p.dtype, suffix, D, 1.f, parts[1]);
-    const float lses[2] = {
-        p.prefix_lse[t * p.prefix_lse_token_stride + h * p.prefix_lse_head_stride],
-        p.suffix_lse[t * p.suffix_lse_token_stride + h * p.suffix_lse_head_stride]};
+    // An lse of +inf marks an empty part too (FlashAttention-3 and vLLM mark empty splits so):
+    // it is read as -inf, like the CUDA kernel does.
+    float lses[2] = {p.prefix_lse[t * p.prefix_lse_token_stride + h * p.prefix_lse_head_stride],
+                     p.suffix_lse[t * p.suffix_lse_token_stride + h * p.suffix_lse_head_stride]};
+    for (float& x : lses) {
+      if (x == -kNegInf) x = kNegInf;
+    }
     const float lse = merge_rows(&parts[0][0], kMaxAttentionHeadSize, lses, 1, 2, D, merged);
     char* out = static_cast<char*>(p.out) + (t * p.out_token_stride + h * p.out_head_stride) * bytes;
     store_row(p.dtype, merged, D, out);

@@ -56,4 +56,8 @@ const AttentionKernels& kernels_avx2();
 const AttentionKernels& kernels_avx512();
 #endif
 
+// The name ("base", "avx2" or "avx512") of the kernels the attention ops run for this head size
+// on this processor, PAGEDKV_CPU_ISA included (cpu/attention.cpp; `pagedkv info` shows it).
+const char* attention_kernel_name(int32_t head_size);
+
 }  // namespace pagedkv::cpu

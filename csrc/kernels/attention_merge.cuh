@@ -56,8 +56,13 @@ template <typename T>
 __global__ void __launch_bounds__(kMergeThreads) merge_attn_states_kernel(const MergeAttnParams p) {
   const int64_t token = blockIdx.x;
   const int head = blockIdx.y;
+  // An lse of +inf marks an empty part too (FlashAttention-3 and vLLM mark empty splits so):
+  // it is read as -inf, so the part gets weight 0 and its rows are never read.
   float lse[2] = {p.prefix_lse[token * p.prefix_lse_token_stride + head * p.prefix_lse_head_stride],
                  p.suffix_lse[token * p.suffix_lse_token_stride + head * p.suffix_lse_head_stride]};
+  for (float& x : lse) {
+    if (x == INFINITY) x = -INFINITY;
+  }
   const float total = merged_lse(lse, 2, 1);
   const float wp = total == -INFINITY ? 0.f : expf(lse[0] - total);
   const float ws = total == -INFINITY ? 0.f : expf(lse[1] - total);

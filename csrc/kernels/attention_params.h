@@ -1,7 +1,7 @@
 // Plain parameter structs of the attention ops, shared by the CPU kernels, the CUDA kernels and
 // the torch glue (glue/attention_args.h builds and validates them). No torch, no CUDA.
 //
-// Semantics every backend implements (ARCHITECTURE.md has the op contract):
+// Semantics every backend implements (docs/architecture.md has the op contract):
 // - Sequence i has seq_len L_i keys at positions 0..L_i-1 and q_len Q_i queries at positions
 //   L_i-Q_i .. L_i-1 (decode: Q_i = 1, token i; varlen: tokens query_start_loc[i] ..
 //   query_start_loc[i+1]-1). Query at position qp attends keys kp with kp <= qp and, with a

@@ -1,4 +1,4 @@
-// simt: runs CUDA kernel source as host C++, each CUDA thread a fiber (see docs in SIMT.md).
+// simt: runs CUDA kernel source as host C++, each CUDA thread a fiber (design: docs/simt.md).
 //
 // Include this instead of the CUDA runtime when compiling kernel text with a host compiler.
 // It defines the CUDA keywords before any CUDA header (crt/host_defines.h keeps definitions it

@@ -3,6 +3,8 @@ splitting a context in two (attention over the halves, merged, equals attention 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from attention_cases import FLOAT_DTYPES, Case, call, check, make_args, max_err
@@ -44,6 +46,66 @@ def test_both_empty_gives_zeros_and_minus_inf(backend):
     assert torch.equal(args[0][1:3].cpu(), torch.zeros(2, 2, 16))
     assert torch.isneginf(args[1][1:3]).all()
     assert not torch.isnan(args[0]).any()
+
+
+# Every pairing of a finite lse and the two empty markers: -inf, and +inf (what FlashAttention-3
+# and vLLM write for an empty split). Row i of the test below merges LSE_PAIRS[i].
+INF = float("inf")
+LSE_PAIRS = [(a, b) for a in (1.5, -INF, INF) for b in (-0.5, -INF, INF)]
+
+
+@pytest.mark.parametrize("with_lse", [True, False], ids=["lse_out", "no_lse_out"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_plus_inf_marks_an_empty_part(backend, dtype, with_lse):
+    """+inf reads like -inf: the part gets weight 0 and its (NaN) rows are never read; one part
+    empty gives the other exactly, both empty gives zeros and an lse of -inf."""
+    n, heads, D = len(LSE_PAIRS), 3, 32
+    args = make_parts(n, heads, D, dtype, "cpu", empty_fraction=0.0)
+    for i, (lp, ls) in enumerate(LSE_PAIRS):
+        args[3][i], args[5][i] = lp, ls
+        for lse, rows in ((lp, args[2]), (ls, args[4])):
+            if math.isinf(lse):
+                rows[i] = float("nan")  # an empty part's rows may hold anything
+    want = [torch.empty_like(args[0]), torch.empty_like(args[1])]
+    reference.merge_attn_states(*want, *args[2:])
+    got = [t.to(backend.device) for t in args]  # out and out_lse are NaN until the op writes
+    if not with_lse:
+        got[1] = None
+    backend.ops.merge_attn_states(*got)
+    out = got[0].cpu()
+    assert not torch.isnan(out).any()
+    for i, (lp, ls) in enumerate(LSE_PAIRS):
+        if math.isinf(lp) and math.isinf(ls):
+            assert torch.equal(out[i], torch.zeros(heads, D, dtype=dtype)), (lp, ls)
+            assert torch.isneginf(want[1][i]).all()
+        elif math.isinf(lp) or math.isinf(ls):
+            kept, lse = (args[4], ls) if math.isinf(lp) else (args[2], lp)
+            assert torch.equal(out[i], kept[i]), (lp, ls)
+            assert torch.equal(want[1][i], torch.full((heads,), lse))
+        else:
+            assert torch.isfinite(want[1][i]).all()
+    assert max_err(out, want[0]) <= TOLERANCE[dtype]  # the reference agrees, row by row
+    if with_lse:
+        assert max_err(got[1], want[1]) <= 1e-5
+
+
+def test_random_mix_of_empty_markers(backend):
+    """Parts empty at random, each marked -inf or +inf at random, against the reference."""
+    args = make_parts(64, 4, 64, torch.float16, "cpu", empty_fraction=0.0)
+    for i in (3, 5):
+        empty = torch.rand(64, 4) < 0.3
+        marker = torch.where(torch.rand(64, 4) < 0.5, -INF, INF)
+        args[i] = torch.where(empty, marker, args[i])
+        args[i - 1][empty] = float("nan")
+    assert (args[3] == INF).any() and (args[5] == -INF).any()
+    want = [torch.empty_like(args[0]), torch.empty_like(args[1])]
+    reference.merge_attn_states(*want, *args[2:])
+    got = [t.to(backend.device) for t in args]
+    backend.ops.merge_attn_states(*got)
+    assert not torch.isnan(got[0]).any() and not torch.isnan(got[1]).any()
+    assert max_err(got[0], want[0]) <= TOLERANCE[torch.float16]
+    assert max_err(got[1], want[1]) <= 1e-5
+    assert not (got[1] == INF).any()  # +inf in, never +inf out
 
 
 def test_without_out_lse_and_in_place(backend):

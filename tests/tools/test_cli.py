@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import platform
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
+from pagedkv import ops
 from pagedkv.tools import cli
 
 SMALL_SIM = ["simulate", "--requests", "40", "--num-blocks", "96", "--max-len", "1024",
@@ -37,6 +39,39 @@ def test_info(capsys):
     data = run_json(capsys, "info")
     assert data["pagedkv._C"]["cpu"] is True and data["cpu_threads"] >= 1
     assert {"pagedkv", "torch", "pagedkv._simt", "gpu"} <= data.keys()
+
+
+def cpu_flags() -> set[str]:
+    """The flags of the first processor in /proc/cpuinfo."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def expected_cpu_kernel(head_size: int) -> str:
+    """What the CPU flags allow: AVX2 with FMA and F16C, AVX-512F on top for head sizes that
+    are a multiple of 16 (csrc/cpu/attention.cpp picks the widest)."""
+    flags = cpu_flags()
+    if not {"avx2", "fma", "f16c"} <= flags:
+        return "base"
+    return "avx512" if "avx512f" in flags and head_size % 16 == 0 else "avx2"
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or platform.machine() != "x86_64",
+                    reason="reads the x86-64 CPU flags from /proc/cpuinfo")
+def test_info_names_the_cpu_kernel(capsys, monkeypatch):
+    monkeypatch.delenv("PAGEDKV_CPU_ISA", raising=False)
+    data = run_json(capsys, "info")
+    assert data["cpu_attention_kernel"] in ("base", "avx2", "avx512")
+    assert data["cpu_attention_kernel"] == expected_cpu_kernel(128)
+    code, out, _ = run(capsys, "info")
+    assert code == 0 and f"CPU attention  {expected_cpu_kernel(128)} kernels" in out
+    assert ops.cpu_attention_kernel(8) == expected_cpu_kernel(8)  # 8 lanes: never avx512
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", "base")  # read by the C++ dispatch at every call
+    assert run_json(capsys, "info")["cpu_attention_kernel"] == "base"
+    with pytest.raises(RuntimeError, match="head_size must be positive"):
+        ops.cpu_attention_kernel(0)
 
 
 def test_size_preset_text_and_json(capsys):

@@ -20,6 +20,7 @@ from pagedkv import _C  # noqa: F401  (registers torch.ops.pagedkv)
 
 __all__ = [
     "copy_blocks",
+    "cpu_attention_kernel",
     "merge_attn_states",
     "paged_attention",
     "reshape_and_cache",
@@ -184,7 +185,9 @@ def merge_attn_states(
 
     ``out = (e^lp * prefix_out + e^ls * suffix_out) / (e^lp + e^ls)`` and ``out_lse =
     log(e^lp + e^ls)``, computed stably in float32. An lse of -inf marks an empty part, whose
-    output row is ignored; both empty gives zeros and -inf. ``out`` may be one of the inputs.
+    output row is ignored (it may hold anything, NaN included); so does an lse of +inf, the marker
+    FlashAttention-3 and vLLM write for an empty split. Both parts empty gives zeros and an
+    ``out_lse`` of -inf. ``out`` may be one of the inputs.
 
     Parameters
     ----------
@@ -202,6 +205,17 @@ def merge_attn_states(
     torch.ops.pagedkv.merge_attn_states(
         out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse
     )
+
+
+def cpu_attention_kernel(head_size: int = 128) -> str:
+    """The CPU attention kernels the ops run on this processor for ``head_size``: ``"base"``,
+    ``"avx2"`` or ``"avx512"``.
+
+    The answer of the extension's own run-time dispatch (csrc/cpu/attention.cpp): the widest
+    instruction set the processor has (AVX2 needs FMA and F16C too; AVX-512 is used only when
+    ``head_size`` is a multiple of 16), narrowed by ``PAGEDKV_CPU_ISA=base|avx2|avx512``.
+    """
+    return torch.ops.pagedkv.cpu_attention_kernel(head_size)
 
 
 def register_fakes(namespace: str) -> None:

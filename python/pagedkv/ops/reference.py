@@ -184,8 +184,11 @@ def merge_attn_states(
 ) -> None:
     """Combines two attentions over disjoint key sets by their log-sum-exp, in float32.
 
-    An lse of -inf marks an empty part; both empty gives zeros and -inf.
+    An lse of -inf or +inf marks an empty part; both empty gives zeros and -inf.
     """
+    prefix_lse, suffix_lse = (
+        torch.where(x == torch.inf, -torch.inf, x) for x in (prefix_lse, suffix_lse)
+    )
     lse = torch.logaddexp(prefix_lse, suffix_lse)
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     wp = torch.exp(prefix_lse - safe)[..., None]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pagedkv import __version__
+from pagedkv import __version__, ops
 from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.tools import argtypes
 from pagedkv.tools.presets import DTYPES, MODELS, format_bytes, get_model, size_report
@@ -82,7 +82,7 @@ def _print(args: argparse.Namespace, data: dict, text: str) -> int:
 
 
 def _add_info(sub: argparse._SubParsersAction) -> None:
-    _command(sub, "info", _info, "version, torch, built backends, GPU, CPU threads")
+    _command(sub, "info", _info, "version, torch, built backends, GPU, CPU threads and kernels")
 
 
 def _info_data() -> dict[str, object]:
@@ -98,7 +98,8 @@ def _info_data() -> dict[str, object]:
             "pagedkv._C": {"cpu": has("pagedkv::reshape_and_cache", "CPU"),
                            "cuda": has("pagedkv::reshape_and_cache", "CUDA")},
             "pagedkv._simt": simt, "gpu": gpu, "cuda_available": torch.cuda.is_available(),
-            "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+            "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "cpu_attention_kernel": ops.cpu_attention_kernel()}
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -113,6 +114,7 @@ def _info(args: argparse.Namespace) -> int:
         f"pagedkv._simt  {simt}",
         f"GPU            {d['gpu'] or 'none'}",
         f"CPU threads    {d['cpu_threads']} (torch) of {d['cpu_count']} CPUs",
+        f"CPU attention  {d['cpu_attention_kernel']} kernels (head size 128)",
     ])
     return _print(args, d, text)
 
