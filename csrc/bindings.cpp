@@ -1,5 +1,5 @@
-// The pagedkv._C Python module: the op schemas and the CPU kernel query. Each backend registers its kernels with
-// TORCH_LIBRARY_IMPL in its own file (csrc/cpu, csrc/cuda).
+// The pagedkv._C Python module: the op schemas and the CPU kernel query. Each backend registers
+// its kernels with TORCH_LIBRARY_IMPL in its own file (csrc/cpu, csrc/cuda).
 #include <Python.h>
 
 #include <string>
