@@ -12,15 +12,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from pagedkv import ops
 from pagedkv.ops import reference
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
-OP_ARGS = [
-    "out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc",
-    "max_seq_len", "max_query_len", "scale", "alibi_slopes", "sliding_window", "soft_cap",
-    "k_scale", "v_scale", "lse_out",
-]
+OP_ARGS = ops.arg_names("paged_attention")  # from the registered schema, the one list
 
 
 @dataclass(frozen=True)
@@ -115,7 +112,7 @@ def to_device(args: dict, device) -> dict:
 
 
 def call(op, args: dict) -> None:
-    op(*[args[name] for name in OP_ARGS])
+    op(**{name: args[name] for name in OP_ARGS})
 
 
 def reference_outputs(args: dict, compute_dtype: torch.dtype):
@@ -125,7 +122,7 @@ def reference_outputs(args: dict, compute_dtype: torch.dtype):
     out_dtype = torch.float64 if compute_dtype == torch.float64 else a["out"].dtype
     a["out"] = torch.empty(a["out"].shape, dtype=out_dtype)
     a["lse_out"] = torch.empty(a["query"].shape[:2])
-    reference.paged_attention(*[a[name] for name in OP_ARGS], compute_dtype=compute_dtype)
+    reference.paged_attention(**{name: a[name] for name in OP_ARGS}, compute_dtype=compute_dtype)
     return a["out"].double(), a["lse_out"].double()
 
 

@@ -19,6 +19,8 @@ import torch
 from pagedkv import _C  # noqa: F401  (registers torch.ops.pagedkv)
 
 __all__ = [
+    "OPS",
+    "arg_names",
     "copy_blocks",
     "cpu_attention_kernel",
     "merge_attn_states",
@@ -218,14 +220,26 @@ def cpu_attention_kernel(head_size: int = 128) -> str:
     return torch.ops.pagedkv.cpu_attention_kernel(head_size)
 
 
+OPS = ("reshape_and_cache", "copy_blocks", "swap_blocks", "paged_attention", "merge_attn_states")
+"""The tensor ops, whose schemas (csrc/schemas.h) are the one list of their arguments."""
+
+
+def arg_names(op: str, namespace: str = "pagedkv") -> tuple[str, ...]:
+    """The argument names of ``torch.ops.<namespace>.<op>``, in order, read from its registered
+    schema: what callers that pass arguments by name (the tests, the reference) go by."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
+    schema = getattr(getattr(torch.ops, namespace), op).default._schema
+    return tuple(argument.name for argument in schema.arguments)
+
+
 def register_fakes(namespace: str) -> None:
     """Registers the shape-only implementations of every op in ``torch.ops.<namespace>``."""
 
     def nothing(*args, **kwargs) -> None:
         return None
 
-    for name in ("reshape_and_cache", "copy_blocks", "swap_blocks", "paged_attention",
-                 "merge_attn_states"):
+    for name in OPS:
         torch.library.register_fake(f"{namespace}::{name}")(nothing)
 
 

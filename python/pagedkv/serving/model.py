@@ -169,14 +169,17 @@ class Attention(nn.Module):
         k_scale = cache.k_scales[self.layer] if cache.k_scales else None
         v_scale = cache.v_scales[self.layer] if cache.v_scales else None
         kernels = self.kernels
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale,
-                                  v_scale)
+        kernels.reshape_and_cache(key=k, value=v, key_cache=key_cache, value_cache=value_cache,
+                                  slot_mapping=batch.slot_mapping, k_scale=k_scale,
+                                  v_scale=v_scale)
         out = torch.empty_like(q)
-        query_start_loc = batch.query_start_loc if batch.max_query_len > 1 else None
-        kernels.paged_attention(out, q, key_cache, value_cache, batch.block_tables,
-                                batch.seq_lens, query_start_loc, batch.max_seq_len,
-                                batch.max_query_len, self.scale, None, -1, 0.0, k_scale, v_scale,
-                                None)
+        kernels.paged_attention(
+            out=out, query=q, key_cache=key_cache, value_cache=value_cache,
+            block_tables=batch.block_tables, seq_lens=batch.seq_lens,
+            query_start_loc=batch.query_start_loc if batch.max_query_len > 1 else None,
+            max_seq_len=batch.max_seq_len, max_query_len=batch.max_query_len, scale=self.scale,
+            alibi_slopes=None, sliding_window=-1, soft_cap=0.0, k_scale=k_scale,
+            v_scale=v_scale, lse_out=None)
         return self.o_proj(out.view(n, -1))
 
 
