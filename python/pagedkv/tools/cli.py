@@ -385,8 +385,8 @@ def _simulate(args: argparse.Namespace) -> int:
     priced = (f"steps priced by {args.calibrate.name}" if args.calibrate else
               f"{args.model.name} on {args.device.name} (roofline)")
     budget = f"{num_blocks:,} blocks x {args.block_size} = {num_slots:,} token slots ({source})"
-    config = {k: (v.name if hasattr(v, "name") and not isinstance(v, str) else
-                  str(v) if isinstance(v, Path) else v)
+    config = {k: (str(v) if isinstance(v, Path) else
+                  v.name if hasattr(v, "name") and not isinstance(v, str) else v)
               for k, v in vars(args).items() if k not in ("run", "json", "no_progress", "parser")}
     config |= {"num_blocks": num_blocks, "rate": None if args.rate is None else str(args.rate)}
     head = [f"trace    {Path(args.trace).name}: {stats['requests']} requests, prompt mean "
