@@ -312,7 +312,7 @@ class BlockManager:
         else:  # old may be waiting for a copy itself (a fork chain): copy from its source
             src = self._copies.get(old, old)
             self.allocator.incref(src)
-            self._pins[src] = self._pins.get(src, 0) + 1
+            self._pin(src)
             self._copies[new] = src
         self._version += 1
         self._release_blocks([old])  # the sequence's reference; another sequence holds it
@@ -413,6 +413,11 @@ class BlockManager:
 
     # -- the plan ------------------------------------------------------------------------------
 
+    @property
+    def num_pending_swaps(self) -> int:
+        """Blocks the pending plan moves between the device and the CPU pool (out and in)."""
+        return len(self._swap_outs) + len(self._swap_ins)
+
     def plan(self) -> CachePlan:
         """A snapshot of the pending cache work (see ``pagedkv.blocks.plan``); changes nothing."""
         return CachePlan(
@@ -440,11 +445,7 @@ class BlockManager:
             sources = list(self._copies.values())
             self._copies.clear()
             for src in sources:
-                left = self._pins[src] - 1
-                if left:
-                    self._pins[src] = left
-                else:
-                    del self._pins[src]
+                self._unpin(src)
             self._release_blocks(sources)
         elif phase == "swap_in":
             if self._swap_ins:
@@ -486,14 +487,23 @@ class BlockManager:
         src = self._copies.pop(block, None)
         if src is not None:
             self._version += 1
-            self._pins[src] -= 1
-            if not self._pins[src]:
-                del self._pins[src]
+            self._unpin(src)
             self._release_blocks([src])
         cpu_src = self._swap_ins.pop(block, None)
         if cpu_src is not None:
             self._version += 1
             self.cpu_allocator.free([cpu_src])
+
+    def _pin(self, block: int) -> None:
+        """Count a reference that a pending copy holds on its source ``block``."""
+        self._pins[block] = self._pins.get(block, 0) + 1
+
+    def _unpin(self, block: int) -> None:
+        left = self._pins[block] - 1
+        if left:
+            self._pins[block] = left
+        else:
+            del self._pins[block]
 
     def _allocate_cpu(self, num_blocks: int) -> list[int]:
         blocks = self.cpu_allocator.allocate(num_blocks) if num_blocks else []

@@ -144,9 +144,8 @@ class ServingLoop:
         scheduled = self._in_flight
         requests = [request for request, _ in scheduled]
         query_lens = [q for _, q in scheduled]
-        plan = self.manager.plan()
         shape = StepShape.of([r.num_tokens for r in requests], query_lens,
-                             len(plan.swap_out) + len(plan.swap_in))
+                             self.manager.num_pending_swaps)
         next_tokens, seconds = self.run_batch(requests, query_lens, shape, start)
         self._in_flight = None
         self.last_batch = [(r.request_id, q) for r, q in scheduled]

@@ -85,7 +85,7 @@ class SimulatedServer(ServingLoop):
         series, size = self.series, self.config.block_size
         series["time"].append(self.clock + seconds)
         series["reserved"].append(self.manager.allocator.num_used_blocks * size)
-        series["stored"].append(sum(r.num_tokens for r in requests))
+        series["stored"].append(shape.kv_read)  # the batch's tokens
         series["running"].append(len(requests))
         return tokens, seconds
 
