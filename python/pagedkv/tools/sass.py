@@ -30,11 +30,14 @@ The listing comes from ``cuobjdump`` (the ELF images of the extension module) an
 
 from __future__ import annotations
 
+import bisect
+import os
 import re
 import shutil
 import subprocess
 import tempfile
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,10 +57,10 @@ class Instruction:
     opcode: str  # with its modifiers: "LDG.E.128.CONSTANT"
     operands: tuple[str, ...]
     target: int | None = None  # branch and call targets
+    op: str = ""  # the opcode without modifiers: "LDG"
 
-    @property
-    def op(self) -> str:
-        return self.opcode.split(".")[0]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "op", self.opcode.split(".")[0])
 
     def writes(self) -> tuple[str, ...]:
         """Registers and predicates this instruction writes (its destination operands)."""
@@ -83,6 +86,16 @@ class Kernel:
     instructions: list[Instruction]
     demangled: str = ""
     _index: dict[int, int] = field(default_factory=dict, repr=False)
+    _writers: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    _profiles: dict[int, LoopProfile | None] = field(default_factory=dict, repr=False)
+
+    def writers(self, reg: str) -> list[int]:
+        """Indices of the instructions that write ``reg``, in order."""
+        if not self._writers and self.instructions:
+            for i, insn in enumerate(self.instructions):
+                for r in insn.writes():
+                    self._writers.setdefault(r, []).append(i)
+        return self._writers.get(reg, [])
 
     def at(self, address: int) -> int:
         """Index of the instruction at ``address``."""
@@ -146,8 +159,6 @@ def _hex(text: str) -> int | None:
 
 def find_tool(name: str) -> str | None:
     """``name`` (cuobjdump, nvdisasm) on PATH, in $CUDA_HOME/bin, or in triton's bundled bin."""
-    import os
-
     found = shutil.which(name)
     if found:
         return found
@@ -165,22 +176,25 @@ def find_tool(name: str) -> str | None:
     return None
 
 
-def disassemble(binary: str | Path, cuobjdump: str | None = None,
+def disassemble(binary: str | Path, images: str = "", cuobjdump: str | None = None,
                 nvdisasm: str | None = None) -> list[Kernel]:
-    """Every kernel of every ELF image in ``binary`` (an extension module, a cubin or an object
-    file). RuntimeError when cuobjdump is missing or fails."""
+    """Every kernel of the ELF images in ``binary`` (an extension module, a cubin or an object
+    file) whose image name contains ``images`` (``attention_bf16``; "" for all). RuntimeError
+    when cuobjdump is missing or fails."""
     cuobjdump = cuobjdump or find_tool("cuobjdump")
     if cuobjdump is None:
         raise RuntimeError("cuobjdump not found (PATH, $CUDA_HOME/bin, triton's bundled tools)")
     nvdisasm = nvdisasm or find_tool("nvdisasm")
-    kernels: list[Kernel] = []
-    if nvdisasm is None:  # slower: cuobjdump disassembles every image itself
-        kernels = parse_listing(_run([cuobjdump, "-sass", str(binary)]))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            _run([cuobjdump, "-xelf", "all", str(Path(binary).resolve())], cwd=tmp)
-            for cubin in sorted(Path(tmp).glob("*.cubin")):
-                kernels += parse_listing(_run([nvdisasm, "-c", str(cubin)]))
+    with tempfile.TemporaryDirectory() as tmp:
+        _run([cuobjdump, "-xelf", "all", str(Path(binary).resolve())], cwd=tmp)
+        cubins = [c for c in sorted(Path(tmp).glob("*.cubin")) if images in c.name]
+        if nvdisasm is None:  # slower: cuobjdump disassembles each image itself
+            commands = [[cuobjdump, "-sass", str(c)] for c in cubins]
+        else:
+            commands = [[nvdisasm, "-c", str(c)] for c in cubins]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            listings = list(pool.map(_run, commands))
+    kernels = [k for text in listings for k in parse_listing(text)]
     names = _demangle([k.name for k in kernels])
     for kernel, name in zip(kernels, names, strict=True):
         kernel.demangled = name
@@ -340,6 +354,12 @@ class LoopProfile:
 
 def profile_loop(kernel: Kernel, rows: int = 4) -> LoopProfile | None:
     """The hot path of ``kernel``'s main loop with ``rows`` query rows per tile (None: no loop)."""
+    if rows not in kernel._profiles:
+        kernel._profiles[rows] = _profile(kernel, rows)
+    return kernel._profiles[rows]
+
+
+def _profile(kernel: Kernel, rows: int) -> LoopProfile | None:
     span = main_loop(kernel)
     if span is None:
         return None
@@ -433,15 +453,18 @@ def _definition(kernel: Kernel, reg: str, i: int, loop: tuple[int, int]) -> Inst
     """The instruction that last wrote ``reg`` before index ``i``, in layout order; inside
     ``loop`` (first, last): earlier in the loop, else later in it (the previous pass), else
     before the loop."""
-    insns = kernel.instructions
+    writers = kernel.writers(reg)
     first, last = loop
-    order = range(i - 1, -1, -1)
+    at = bisect.bisect_left(writers, i)
     if first <= i <= last:
-        order = [*range(i - 1, first - 1, -1), *range(last, i, -1), *range(first - 1, -1, -1)]
-    for k in order:
-        if reg in insns[k].writes():
-            return insns[k]
-    return None
+        start = bisect.bisect_left(writers, first)
+        end = bisect.bisect_right(writers, last)
+        if start < at:  # earlier in this pass
+            return kernel.instructions[writers[at - 1]]
+        if end > at and writers[end - 1] > i:  # later in the loop: the previous pass
+            return kernel.instructions[writers[end - 1]]
+        at = start
+    return kernel.instructions[writers[at - 1]] if at else None
 
 
 _IMM = re.compile(r"^-?(0x[0-9a-f]+|\d+)$")
