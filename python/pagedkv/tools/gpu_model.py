@@ -1,4 +1,5 @@
-"""Decode attention speed on a GPU, estimated from the SASS of the built kernels (docs/gpu_model.md).
+"""Decode attention speed on a GPU, estimated from the SASS of the built kernels
+(docs/gpu_model.md).
 
 A decode kernel streams K/V; per pass of its main loop a warp loads ``kv_bytes`` and issues
 ``instructions`` (``pagedkv.tools.sass``). An SM issues at most ``schedulers_per_sm`` warp
@@ -33,7 +34,6 @@ __all__ = ["ROWS_PER_TILE", "DecodeCost", "Estimate", "attention_kernels", "deco
            "estimate", "kernel_label", "occupancy"]
 
 ROWS_PER_TILE = 4  # csrc/kernels/attention_launch.h: kAttnRowsPerBlock
-THREADS_PER_BLOCK = 128  # the attention kernel's block (attn::kThreads)
 MUFU_PER_SM_CLOCK = 16
 SHFL_PER_SM_CLOCK = 32
 REGISTERS_PER_SM = 65536  # both sm_80 and sm_90: 64K 32-bit registers, at most 64 warps

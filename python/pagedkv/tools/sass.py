@@ -120,8 +120,10 @@ def parse_listing(text: str, arch: str = "") -> list[Kernel]:
 
     for line in text.splitlines():
         stripped = line.strip()
-        if m := re.match(r"(?:arch = |\.target\s+)(sm_\d+a?)", stripped):
+        if m := re.match(r"(?:arch = |\.target\s+|code for )(sm_\d+a?)", stripped):
             arch = m.group(1)
+        elif m := re.match(r'\.headerflags\s+@"EF_CUDA_SM(\d+)', stripped):
+            arch = kernels[-1].arch = f"sm_{m.group(1)}" if kernels else arch
         elif m := re.match(r"(?:Function : |\.text\.)(\S+?):?$", stripped):
             close()
             kernels.append(Kernel(m.group(1), arch, []))
