@@ -149,9 +149,13 @@ def join_rows(kernels, measured_path: Path, device_name: str | None) -> list[dic
 
 
 def _preset_for(name: str):
-    for key in sorted(DEVICES, key=len, reverse=True):
-        if key.split("-")[0] in name.lower():
-            return DEVICES[key]
+    """The preset of a GPU name ("NVIDIA H200", "NVIDIA A100-SXM4-80GB"): its model, then its
+    memory size where presets differ by it."""
+    name = name.lower()
+    matches = [key for key in DEVICES if key.split("-")[0] in name]
+    best = [key for key in matches if key.split("-")[-1] in name]
+    if best or matches:
+        return DEVICES[(best or matches)[0]]
     raise ValueError(f"no device preset matches {name!r}; pass --device-name "
                      f"({', '.join(d.name for d in DEVICES.values())})")
 
