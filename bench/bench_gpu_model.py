@@ -26,7 +26,8 @@ from pagedkv.tools.gpu_model import (
     kernel_label,
     occupancy,
 )
-from pagedkv.tools.sass import CLASSES, disassemble, find_tool, profile_loop, resource_usage
+from pagedkv.tools.sass import CLASSES, disassemble, find_tool, resource_usage
+from pagedkv.tools.sass_loop import profile_loop
 
 SIZES = [(8, 2048), (32, 4096), (1, 32768)]  # (sequences, tokens each)
 GROUPS = (1, 4, 8)  # query heads per kv head, 32 query heads

@@ -14,14 +14,8 @@ import pytest
 
 from pagedkv.tools.costmodel import DEVICES, DevicePreset
 from pagedkv.tools.gpu_model import attention_kernels, decode_cost, estimate, occupancy
-from pagedkv.tools.sass import (
-    classify,
-    disassemble,
-    find_tool,
-    main_loop,
-    parse_listing,
-    profile_loop,
-)
+from pagedkv.tools.sass import classify, disassemble, find_tool, parse_listing
+from pagedkv.tools.sass_loop import main_loop, profile_loop
 
 # (arch, query dtype, cache dtype, padded head, GQA group) -> instructions per KiB of K/V.
 # Today: sm_90 bf16 153 / 360 / 720, fp8_e4m3 416 / 900 / 1799; sm_80 bf16 147 / 352 / 704,

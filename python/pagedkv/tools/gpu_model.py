@@ -28,7 +28,8 @@ import re
 from dataclasses import asdict, dataclass
 
 from pagedkv.tools.costmodel import DevicePreset
-from pagedkv.tools.sass import Kernel, LoopProfile, profile_loop
+from pagedkv.tools.sass import Kernel
+from pagedkv.tools.sass_loop import LoopProfile, profile_loop
 
 __all__ = ["ROWS_PER_TILE", "DecodeCost", "Estimate", "attention_kernels", "decode_cost",
            "estimate", "kernel_label", "occupancy"]
