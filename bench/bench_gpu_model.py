@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{time.perf_counter() - start:.1f} s; classes: {', '.join(CLASSES)}")
     devices = [get_device(d) for d in opts.devices.split(",")]
     payload = {"device": "model (SASS, no GPU)", "module": str(module),
+               "tools": {t: find_tool(t) for t in ("cuobjdump", "nvdisasm")},
                "devices": [{f: getattr(d, f) for f in d.__slots__} for d in devices],
                "kernels": kernel_rows(kernels, usage), "rows": standard_rows(kernels, devices)}
     print_kernels(payload["kernels"])

@@ -8,6 +8,7 @@ a kernel leaner, so that the gain is kept.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,12 @@ def test_estimates_take_the_lowest_bound():
     with pytest.raises(ValueError, match="SM figures"):
         estimate(cost, DevicePreset("bare", 1 << 30, 1e9, 1e12, 1e9))
     assert occupancy(128) == 16 and occupancy(168) == 12 and occupancy(32) == 64
+
+
+def test_a_binary_without_device_code_has_no_kernels():
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not found (PATH, $CUDA_HOME/bin, triton's bundled tools)")
+    assert disassemble(sys.executable) == []
 
 
 # the built module ------------------------------------------------------------------------------
