@@ -8,9 +8,10 @@ import importlib
 import torch
 
 # suite -> whether it times device kernels (and so takes --device); the manager's, the
-# engine's step times (the simulator's calibration) and the validation that uses them are host-only.
+# engine's step times (the simulator's calibration) and the validation that uses them are
+# host-only, and so is the SASS model of the built CUDA kernels (bench_gpu_model: no GPU needed).
 SUITES = {"bench.bench_cache": True, "bench.bench_attention": True, "bench.bench_manager": False,
-          "bench.bench_engine": False, "bench.validate_sim": False}
+          "bench.bench_engine": False, "bench.validate_sim": False, "bench.bench_gpu_model": False}
 
 
 def main(argv: list[str] | None = None) -> None:

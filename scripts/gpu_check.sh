@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # GPU check for a machine with one NVIDIA GPU (written for an H200, sm_90), a few minutes end to
 # end: build the extension for the local GPU, run the whole test suite on the cuda backend, then
-# the CUDA attention benchmark. Every step is logged under LOGDIR and bounded by a timeout.
+# the CUDA attention benchmark, the SASS model's estimate of each measured decode row
+# (bench_gpu_model --join: the model's calibration) and, where ncu is installed and may read the
+# counters, the instructions and DRAM bytes of one decode launch (docs/gpu_model.md). Every step
+# is logged under LOGDIR and bounded by a timeout.
 #
 #   scripts/gpu_check.sh LOGDIR
 #
 # Environment: PYTHON (default: python3; a Python with torch), ARCH (default 9.0),
 # MAX_JOBS (default 16), BUILD_TIMEOUT / TEST_TIMEOUT / BENCH_TIMEOUT in seconds (defaults 420,
-# 420, 240). Exit status: the number of failed steps (0: all passed).
+# 420, 240), MODEL_TIMEOUT (default 180). Exit status: the number of failed steps (0: all passed).
 set -euo pipefail
 
 LOGDIR=${1:?usage: scripts/gpu_check.sh LOGDIR}
@@ -43,7 +46,19 @@ step build "${BUILD_TIMEOUT:-420}" "$PYTHON" setup.py build_ext --inplace || {
 }
 step tests "${TEST_TIMEOUT:-420}" env PAGEDKV_TEST_BACKENDS=cuda "$PYTHON" -m pytest tests -q \
   -p no:cacheprovider --junitxml="$LOGDIR/tests.xml" || true
+rm -f bench/results/attention_cuda.json  # the model joins this run's rows only
 step bench "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_attention_cuda || true
 cp bench/results/attention_cuda.json "$LOGDIR/" 2>/dev/null || true
+if [ -f bench/results/attention_cuda.json ]; then
+  step model "${MODEL_TIMEOUT:-180}" "$PYTHON" -m bench.bench_gpu_model --devices a100-80gb,h100,h200 \
+    --join bench/results/attention_cuda.json || true
+  cp bench/results/bench_gpu_model.json "$LOGDIR/" 2>/dev/null || true
+fi
+if command -v ncu >/dev/null; then
+  step ncu "${MODEL_TIMEOUT:-180}" ncu --kernel-name regex:paged_attention_kernel --launch-skip 2 \
+    --launch-count 1 --csv --metrics smsp__inst_executed.sum,dram__bytes_read.sum,\
+gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,\
+sm__cycles_elapsed.avg.per_second "$PYTHON" -m bench.ncu_decode || true
+fi
 log "done: $failed step(s) failed; logs in $LOGDIR"
 exit "$failed"

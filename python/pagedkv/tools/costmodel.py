@@ -82,6 +82,14 @@ class DevicePreset:
     - ``step_overhead`` 1 ms: host work per step that the GPU waits for (scheduling, building
       the batch tensors, sampling, launches not hidden by CUDA graphs) in a Python serving loop;
       it dominates only small decode batches, where a model's weights take a few ms to read.
+
+    The SM figures feed the SASS model of the kernels (``pagedkv.tools.gpu_model``):
+    ``sm_count`` multiprocessors at ``sm_clock`` Hz (boost), ``schedulers_per_sm`` warp
+    schedulers each issuing one warp instruction per clock, ``fp32_lanes_per_sm`` FP32 results
+    per clock, ``sass_arch`` the SASS the device runs. ``issue_efficiency`` 0.8 is the share of
+    issue slots a loop of independent ALU work keeps busy with 4 warps per scheduler: an
+    assumption, to be replaced by ncu's ``smsp__issue_active.avg.pct_of_peak_sustained_active``
+    once a GPU run measured it.
     """
 
     name: str
@@ -93,12 +101,19 @@ class DevicePreset:
     flops_efficiency: float = 0.6
     pcie_efficiency: float = 0.8
     step_overhead: float = 1e-3
+    sm_count: int = 0
+    sm_clock: float = 0.0
+    schedulers_per_sm: int = 4
+    fp32_lanes_per_sm: int = 64
+    sass_arch: str = ""
+    issue_efficiency: float = 0.8
     note: str = ""
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "memory_bandwidth", "bf16_flops", "pcie_bandwidth"):
             _positive(getattr(self, name), f"DevicePreset.{name}")
-        for name in ("bandwidth_efficiency", "flops_efficiency", "pcie_efficiency"):
+        for name in ("bandwidth_efficiency", "flops_efficiency", "pcie_efficiency",
+                     "issue_efficiency"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                     0 < value <= 1):
@@ -113,15 +128,21 @@ class DevicePreset:
 # nvidia-smi reports is within about 1% of them). PCIe per direction: 4.0 x16 is 16 GT/s x 16
 # lanes x 128/130 = 31.5 GB/s, 5.0 x16 twice that; the sheets quote both directions together
 # (64 and 128 GB/s).
+# SMs and clocks: the A100 whitepaper (108 SMs, 1410 MHz boost, 64 FP32 lanes per SM) and the
+# H100 whitepaper (SXM5: 132 SMs, 128 FP32 lanes per SM); the datasheets' FP32 peaks agree:
+# 108 x 64 x 2 x 1.41 GHz = 19.5 TFLOPS (A100), 132 x 128 x 2 x 1.98 GHz = 67 TFLOPS (H100 and
+# H200 SXM, the same GH100 die at a 1980 MHz boost). Both have 4 warp schedulers per SM.
 _PCIE4, _PCIE5 = 31.5e9, 63e9
+_A100 = dict(sm_count=108, sm_clock=1.41e9, fp32_lanes_per_sm=64, sass_arch="sm_80")
+_H100 = dict(sm_count=132, sm_clock=1.98e9, fp32_lanes_per_sm=128, sass_arch="sm_90")
 
 DEVICES: dict[str, DevicePreset] = {d.name.lower(): d for d in [
-    DevicePreset("A100-40GB", 40 * GIB, 1555e9, 312e12, _PCIE4,
+    DevicePreset("A100-40GB", 40 * GIB, 1555e9, 312e12, _PCIE4, **_A100,
                  note="SXM4 or PCIe: both 1555 GB/s HBM2"),
-    DevicePreset("A100-80GB", 80 * GIB, 2039e9, 312e12, _PCIE4,
+    DevicePreset("A100-80GB", 80 * GIB, 2039e9, 312e12, _PCIE4, **_A100,
                  note="SXM4 (the PCIe card: 1935 GB/s)"),
-    DevicePreset("H100", 80 * GIB, 3.35e12, 989e12, _PCIE5, note="SXM5 80GB HBM3"),
-    DevicePreset("H200", 141 * GIB, 4.8e12, 989e12, _PCIE5, note="SXM 141GB HBM3e"),
+    DevicePreset("H100", 80 * GIB, 3.35e12, 989e12, _PCIE5, **_H100, note="SXM5 80GB HBM3"),
+    DevicePreset("H200", 141 * GIB, 4.8e12, 989e12, _PCIE5, **_H100, note="SXM 141GB HBM3e"),
 ]}
 
 

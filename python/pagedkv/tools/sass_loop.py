@@ -1,0 +1,257 @@
+"""The main loop of a kernel and what one pass of it issues, by instruction class, per byte it
+loads (docs/gpu_model.md).
+
+1. **The main loop.** Every backward branch ``BRA head`` at address ``a`` closes a loop
+   ``[head, a]``; the main loop is the one whose body loads the most global bytes (the sum of its
+   ``LDG`` widths), the innermost on a tie. For attention that is the K/V loop; for the cache
+   kernels the copy loop.
+2. **The hot path of one iteration.** The loop body is cut into basic blocks; an iteration
+   enters at the head with weight 1 and every conditional forward branch passes the weight to one
+   side, by what its predicate tests (``Branch.kind``):
+
+   - ``rows``: an ``ISETP`` of a loop-invariant register computed in the kernel (not a kernel
+     parameter) against a small immediate, also through a copy of a uniform predicate: the
+     attention kernel's ``r < rows`` guards. The scenario gives ``rows`` (a GQA group's query
+     heads in one tile, at most 4).
+   - ``config``: a predicate that depends only on kernel parameters (constant bank, uniform
+     registers, immediates): soft cap, the unaligned-cache byte loads, a non-power-of-two block
+     size. The model takes the shorter side, which is the common configuration (features off,
+     aligned caches, power-of-two blocks).
+   - ``data``: anything else (block-table entries, token bounds, values): the guarded code runs,
+     as it does for every full iteration of a long context, unless it is a slow path: it calls
+     a subroutine (``CALL``: an IEEE division's special cases) or loops, and no branch inside
+     guards that call or loop on its own. Inner loops count once.
+3. **Counts.** Each instruction of a block counts its block's weight; predicated instructions
+   count too (they take an issue slot whatever their predicate). ``kv_bytes`` is 32 lanes times
+   the width of the loop's widest ``LDG`` (16 B for 16-bit caches, 8 B for fp8) summed over those
+   loads; narrower loads (block-table entries) are counted as instructions only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pagedkv.tools.sass import CLASSES, Instruction, Kernel, classify, load_bytes
+
+__all__ = ["Branch", "LoopProfile", "loops", "main_loop", "profile_loop"]
+
+
+def loops(kernel: Kernel) -> list[tuple[int, int]]:
+    """``(first, last)`` instruction indices of every loop: a backward branch and its target."""
+    found = []
+    for i, insn in enumerate(kernel.instructions):
+        if insn.op == "BRA" and insn.target is not None and insn.target <= insn.address:
+            found.append((kernel.at(insn.target), i))
+    return found
+
+
+def main_loop(kernel: Kernel) -> tuple[int, int] | None:
+    """The loop loading the most global bytes per pass (static), the innermost on a tie."""
+    best, key = None, (0, 0)
+    for first, last in loops(kernel):
+        loaded = sum(load_bytes(i) for i in kernel.instructions[first:last + 1])
+        k = (loaded, -(last - first))
+        if loaded and k > key:
+            best, key = (first, last), k
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    address: int
+    kind: str  # "rows", "config" or "data"
+    taken: float  # probability the scenario gives it
+    test: str  # the instruction that set its predicate
+
+
+@dataclass(slots=True)
+class LoopProfile:
+    """What one pass of a kernel's main loop issues on the hot path (one warp)."""
+
+    kernel: str
+    arch: str
+    first: int  # address of the loop head
+    last: int  # address of the backward branch
+    static_instructions: int
+    instructions: float
+    kv_bytes: float  # bytes of the widest global loads, 32 lanes
+    load_width: int  # bytes per lane of those loads
+    classes: dict[str, float] = field(default_factory=dict)
+    branches: list[Branch] = field(default_factory=list)
+
+    @property
+    def per_byte(self) -> float:
+        return self.instructions / self.kv_bytes
+
+    def class_per_kib(self) -> dict[str, float]:
+        """Instructions of each class per KiB of K/V."""
+        return {c: n * 1024 / self.kv_bytes for c, n in self.classes.items()}
+
+
+def profile_loop(kernel: Kernel, rows: int = 4) -> LoopProfile | None:
+    """The hot path of ``kernel``'s main loop with ``rows`` query rows per tile (None: no loop)."""
+    if rows not in kernel._profiles:
+        kernel._profiles[rows] = _profile(kernel, rows)
+    return kernel._profiles[rows]
+
+
+def _profile(kernel: Kernel, rows: int) -> LoopProfile | None:
+    span = main_loop(kernel)
+    if span is None:
+        return None
+    first, last = span
+    body = kernel.instructions[first:last + 1]
+    weights, branches = _weights(kernel, first, last, rows)
+    width = max(load_bytes(i) for i in body)
+    counts: Counter[str] = Counter()
+    kv = 0.0
+    for insn, w in zip(body, weights, strict=True):
+        counts[classify(insn)] += w
+        if load_bytes(insn) == width:
+            kv += 32 * width * w
+    classes = {c: counts[c] for c in CLASSES if counts[c]}
+    return LoopProfile(kernel.demangled or kernel.name, kernel.arch, body[0].address,
+                       body[-1].address, len(body), sum(weights), kv, width, classes, branches)
+
+
+def _weights(kernel: Kernel, first: int, last: int,
+             rows: int) -> tuple[list[float], list[Branch]]:
+    """Per instruction of the loop body: how often one pass executes it."""
+    insns = kernel.instructions
+    written = {r for i in insns[first:last + 1] for r in i.writes()}
+    flow = [0.0] * (last - first + 2)  # weight arriving at each index (+1: leaving the loop)
+    flow[0] = 1.0
+    weights, branches = [], []
+    for i in range(first, last + 1):
+        w = flow[i - first]
+        weights.append(w)
+        insn = insns[i]
+        if insn.op == "EXIT" and not insn.guard:
+            continue
+        if insn.op != "BRA" or insn.target is None or not first <= kernel.at(insn.target) <= last:
+            flow[i - first + 1] += w
+            continue
+        j = kernel.at(insn.target)
+        if j <= i:  # the loop's own back edge ends the pass; an inner loop counts once
+            taken = 1.0 if i == last or not insn.guard else 0.0
+        elif not insn.guard:
+            taken = 1.0
+        else:
+            branch = _branch(kernel, i, j, first, last, written, rows)
+            branches.append(branch)
+            taken = branch.taken
+        if j > i:
+            flow[j - first] += w * taken
+        flow[i - first + 1] += w * (1 - taken)
+    return weights, branches
+
+
+def _branch(kernel: Kernel, i: int, j: int, first: int, last: int, written: set[str],
+            rows: int) -> Branch:
+    insns = kernel.instructions
+    insn = insns[i]
+    negated = insn.guard.startswith("!")
+    pred = insn.guard.lstrip("!")
+    test = _definition(kernel, pred, i, (first, last))
+    skipped = insns[i + 1:j]
+    if test is not None and (value := _rows_test(kernel, test, written, first, rows)) is not None:
+        kind, taken = "rows", float(value != negated)
+    elif test is not None and _uniform(kernel, test, (first, last), set()):
+        then_len = len(skipped)
+        else_len = 0
+        if skipped and skipped[-1].op == "BRA" and not skipped[-1].guard and (
+                skipped[-1].target or 0) > insns[j].address:
+            then_len -= 1
+            else_len = kernel.at(skipped[-1].target) - j
+        kind, taken = "config", float(then_len > else_len)
+    else:
+        kind, taken = "data", float(_slow_path(kernel, i, j))
+    text = f"{test.opcode} {', '.join(test.operands)}" if test else "(no definition found)"
+    return Branch(insn.address, kind, taken, text)
+
+
+def _slow_path(kernel: Kernel, i: int, j: int) -> bool:
+    """Whether the code a branch at ``i`` skips (up to ``j``) is a slow path: it calls a
+    subroutine or loops, and no branch inside it guards that call or loop on its own."""
+    insns = kernel.instructions
+    inner = [(k, kernel.at(insns[k].target)) for k in range(i + 1, j)
+             if insns[k].op == "BRA" and insns[k].guard and insns[k].target is not None
+             and insns[k].target > insns[k].address]
+    for s in range(i + 1, j):
+        slow = insns[s].op == "CALL" or (insns[s].op == "BRA" and insns[s].target is not None
+                                          and insns[s].target <= insns[s].address)
+        if slow and not any(k < s < end for k, end in inner):
+            return True
+    return False
+
+
+def _definition(kernel: Kernel, reg: str, i: int, loop: tuple[int, int]) -> Instruction | None:
+    """The instruction that last wrote ``reg`` before index ``i``, in layout order; inside
+    ``loop`` (first, last): earlier in the loop, else later in it (the previous pass), else
+    before the loop."""
+    writers = kernel.writers(reg)
+    first, last = loop
+    at = bisect.bisect_left(writers, i)
+    if first <= i <= last:
+        start = bisect.bisect_left(writers, first)
+        end = bisect.bisect_right(writers, last)
+        if start < at:  # earlier in this pass
+            return kernel.instructions[writers[at - 1]]
+        if end > at and writers[end - 1] > i:  # later in the loop: the previous pass
+            return kernel.instructions[writers[end - 1]]
+        at = start
+    return kernel.instructions[writers[at - 1]] if at else None
+
+
+_IMM = re.compile(r"^-?(0x[0-9a-f]+|\d+)$")
+
+
+def _rows_test(kernel: Kernel, test: Instruction, written: set[str], first: int,
+               rows: int) -> bool | None:
+    """The value of ``ISETP.<cmp> P, PT, R, imm, PT`` when R is loop-invariant and computed in
+    the kernel (the tile's row count), with R = ``rows``; None for any other test. A copy of a
+    uniform predicate (``PLOP3.LUT P, PT, PT, PT, UP0, 0x80, 0x0``) is followed to ``UP0``'s
+    ``UISETP``."""
+    ops = test.operands
+    if test.opcode == "PLOP3.LUT" and ops[1:4] == ("PT", "PT", "PT") and ops[5:] == ("0x80", "0x0"):
+        source = _definition(kernel, ops[4].lstrip("!"), kernel.at(test.address), (-1, -1))
+        value = source and _rows_test(kernel, source, written, first, rows)
+        return None if value is None else value != ops[4].startswith("!")
+    if test.op not in ("ISETP", "UISETP") or len(ops) != 5 or ops[4] not in ("PT", "UPT"):
+        return None
+    reg, imm = test.operands[2], test.operands[3]
+    if not re.match(r"^U?R\d+$", reg) or not _IMM.match(imm) or reg in written:
+        return None
+    k = int(imm, 0)
+    if not 0 <= k <= 8:
+        return None
+    source = _definition(kernel, reg, first, (-1, -1))
+    if source is None or _uniform(kernel, source, (-1, -1), set()):
+        return None
+    cmp = test.opcode.split(".")[1]
+    result = {"GE": rows >= k, "GT": rows > k, "LT": rows < k, "LE": rows <= k,
+              "EQ": rows == k, "NE": rows != k}.get(cmp)
+    if result is None:
+        return None
+    return result if ".OR" not in test.opcode else None
+
+
+def _uniform(kernel: Kernel, insn: Instruction, loop: tuple[int, int], seen: set[int]) -> bool:
+    """Whether ``insn`` computes only from kernel parameters, uniform registers and constants."""
+    if insn.address in seen:
+        return True
+    seen.add(insn.address)
+    if insn.op in ("LDG", "LDS", "LD", "S2R", "S2UR", "SHFL", "CS2R", "VOTE"):
+        return False
+    index = kernel.at(insn.address)
+    for operand in insn.operands[len(insn.writes()):]:
+        operand = operand.lstrip("-!|").rstrip("|")
+        if re.match(r"^(U?R\d+|U?P[0-6])(\.|$)", operand):
+            reg = operand.split(".")[0]
+            source = _definition(kernel, reg, index, loop)
+            if source is None or not _uniform(kernel, source, loop, seen):
+                return False
+    return True
