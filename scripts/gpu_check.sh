@@ -6,11 +6,19 @@
 # counters, the instructions and DRAM bytes of one decode launch (docs/gpu_model.md). Every step
 # is logged under LOGDIR and bounded by a timeout.
 #
-#   scripts/gpu_check.sh LOGDIR
+#   scripts/gpu_check.sh LOGDIR [STEP...]
+#
+# STEPs, in order: env build tests bench model sanitize ncu (default: all). The device tool runs
+# one command for at most 10 minutes, so a first call can run `env build tests` and a second, on
+# the warm machine (the in-place build is kept), `bench model sanitize ncu`; the steps after
+# `build` use the modules built in place by an earlier call.
+# sanitize: compute-sanitizer memcheck over the cache-op tests and a short attention selection
+# (decode, GQA, split-K, varlen, fp8), and racecheck (shared memory) over the attention selection.
 #
 # Environment: PYTHON (default: python3; a Python with torch), ARCH (default 9.0),
 # MAX_JOBS (default 16), BUILD_TIMEOUT / TEST_TIMEOUT / BENCH_TIMEOUT in seconds (defaults 420,
-# 420, 240), MODEL_TIMEOUT (default 180). Exit status: the number of failed steps (0: all passed).
+# 420, 240), MODEL_TIMEOUT (default 180), SANITIZE_TIMEOUT (default 240 per tool).
+# Exit status: the number of failed steps (0: all passed).
 set -euo pipefail
 
 LOGDIR=${1:?usage: scripts/gpu_check.sh LOGDIR}
@@ -39,22 +47,47 @@ step() {
   return "$rc"
 }
 
-step env 60 bash -c "nvidia-smi; nvcc --version; $PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'" || true
-step build "${BUILD_TIMEOUT:-420}" "$PYTHON" setup.py build_ext --inplace || {
-  log "build failed: nothing else can run"
-  exit 1
-}
-step tests "${TEST_TIMEOUT:-420}" env PAGEDKV_TEST_BACKENDS=cuda "$PYTHON" -m pytest tests -q \
-  -p no:cacheprovider --junitxml="$LOGDIR/tests.xml" || true
-rm -f bench/results/attention_cuda.json  # the model joins this run's rows only
-step bench "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_attention_cuda || true
-cp bench/results/attention_cuda.json "$LOGDIR/" 2>/dev/null || true
-if [ -f bench/results/attention_cuda.json ]; then
+STEPS=${*:2}
+STEPS=${STEPS:-env build tests bench model sanitize ncu}
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
+
+CUDA_TESTS=(env PAGEDKV_TEST_BACKENDS=cuda "$PYTHON" -m pytest -q -p no:cacheprovider)
+ATTENTION_SELECTION=(tests/ops/test_paged_attention.py -k
+  "block_sizes_and_gqa or long_context or varlen_long or fp8_caches or strided_cache")
+
+if wants env; then
+  step env 60 bash -c "nvidia-smi; nvcc --version; $PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'" || true
+fi
+if wants build; then
+  step build "${BUILD_TIMEOUT:-420}" "$PYTHON" setup.py build_ext --inplace || {
+    log "build failed: nothing else can run"
+    exit 1
+  }
+fi
+if wants tests; then
+  step tests "${TEST_TIMEOUT:-420}" "${CUDA_TESTS[@]}" tests --junitxml="$LOGDIR/tests.xml" || true
+fi
+if wants bench; then
+  rm -f bench/results/attention_cuda.json  # the model joins this run's rows only
+  step bench "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_attention_cuda || true
+  cp bench/results/attention_cuda.json "$LOGDIR/" 2>/dev/null || true
+fi
+if wants model && [ -f bench/results/attention_cuda.json ]; then
   step model "${MODEL_TIMEOUT:-180}" "$PYTHON" -m bench.bench_gpu_model --devices a100-80gb,h100,h200 \
     --join bench/results/attention_cuda.json || true
   cp bench/results/bench_gpu_model.json "$LOGDIR/" 2>/dev/null || true
 fi
-if command -v ncu >/dev/null; then
+if wants sanitize && command -v compute-sanitizer >/dev/null; then
+  SANITIZER=(compute-sanitizer --error-exitcode 1 --target-processes all --print-limit 20)
+  step memcheck "${SANITIZE_TIMEOUT:-240}" "${SANITIZER[@]}" --tool memcheck "${CUDA_TESTS[@]}" -x \
+    tests/ops/test_reshape_and_cache.py tests/ops/test_copy_blocks.py \
+    tests/ops/test_swap_blocks.py tests/ops/test_merge_attn_states.py || true
+  step memcheck_attention "${SANITIZE_TIMEOUT:-240}" "${SANITIZER[@]}" --tool memcheck \
+    "${CUDA_TESTS[@]}" -x "${ATTENTION_SELECTION[@]}" || true
+  step racecheck "${SANITIZE_TIMEOUT:-240}" "${SANITIZER[@]}" --tool racecheck \
+    --racecheck-report hazard "${CUDA_TESTS[@]}" -x "${ATTENTION_SELECTION[@]}" || true
+fi
+if wants ncu && command -v ncu >/dev/null; then
   step ncu "${MODEL_TIMEOUT:-180}" ncu --kernel-name regex:paged_attention_kernel --launch-skip 2 \
     --launch-count 1 --csv --metrics smsp__inst_executed.sum,dram__bytes_read.sum,\
 gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,\
