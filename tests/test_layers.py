@@ -1,7 +1,7 @@
 """The package's layering: a module imports only from its own layer and the layers below.
 
-0 base (errors, checks) < 1 ops < 2 cache < 3 blocks < 4 serving < 5 tools; ``pagedkv/__init__``
-re-exports the public API and is exempt. Imports inside functions count too.
+0 base (errors, checks) < 1 ops < 2 cache < 3 blocks < 4 serving < 5 tools, integrations;
+``pagedkv/__init__`` re-exports the public API and is exempt. Imports inside functions count too.
 """
 
 import ast
@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "pagedkv"
 LAYERS = {"errors": 0, "checks": 0, "_C": 0, "_simt": 0, "ops": 1, "cache": 2, "blocks": 3,
-          "serving": 4, "tools": 5}
+          "serving": 4, "tools": 5, "integrations": 5}
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
 
 

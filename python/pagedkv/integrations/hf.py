@@ -51,13 +51,13 @@ def transformers_version() -> tuple[int, int]:
 
 def check_transformers_version() -> None:
     """Raise ImportError unless the installed transformers is one this module is written for."""
-    low, high = SUPPORTED_TRANSFORMERS
-    if not low <= transformers_version() < high:
+    (low, low_minor), (high, high_minor) = SUPPORTED_TRANSFORMERS
+    if not SUPPORTED_TRANSFORMERS[0] <= transformers_version() < SUPPORTED_TRANSFORMERS[1]:
         raise ImportError(
-            f"pagedkv.integrations.hf needs transformers >= {low[0]}.{low[1]}, < {high[0]}.{high[1]} "
-            f"(it relies on Cache.update, AttentionInterface and the cache= keyword of generate as "
-            f"they are there); transformers {transformers.__version__} is installed. "
-            "pip install 'pagedkv[hf]' installs the tested version.")
+            f"pagedkv.integrations.hf needs transformers >= {low}.{low_minor}, < {high}."
+            f"{high_minor} (it relies on Cache.update, AttentionInterface and the cache= keyword "
+            f"of generate as they are there); transformers {transformers.__version__} is "
+            "installed. pip install 'pagedkv[hf]' installs the tested version.")
 
 
 @dataclass(slots=True)
@@ -83,7 +83,7 @@ class _Step:
 
 
 class PagedCache(Cache):
-    """A transformers ``Cache`` over a paged KV cache; use it with ``attn_implementation="pagedkv"``.
+    """A transformers ``Cache`` over a paged KV cache, for ``attn_implementation="pagedkv"``.
 
     Args:
         model: the causal LM it serves (its config gives the cache shape, its first parameter the
@@ -142,9 +142,18 @@ class PagedCache(Cache):
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
 
+    def __len__(self) -> int:
+        return self.spec.num_layers
+
     @property
     def is_croppable(self) -> bool:
         return False
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.spec.num_layers  # every layer is full attention
+
+    is_sliding = is_dummy = is_linear
 
     @property
     def batch_size(self) -> int:
@@ -180,7 +189,8 @@ class PagedCache(Cache):
 
     # -- one forward ---------------------------------------------------------------------------
 
-    def _begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def _begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None) -> None:
         """Plan a forward over ``input_ids [rows, columns]``: new rows on the first forward,
         appended tokens after it; ``attention_mask [rows, past + columns]`` marks real tokens."""
         rows, columns = input_ids.shape
@@ -198,7 +208,10 @@ class PagedCache(Cache):
         if self._rows and rows != len(self._rows):
             raise ValueError(f"the cache holds {len(self._rows)} rows, the input has {rows}; "
                              "reset() it before a new batch")
-        cached = self._append(tokens) if self._rows else self._add(tokens)
+        if self._rows:
+            cached = self._append(tokens)
+        else:
+            cached = self._add(tokens, self._prefix_keys(position_ids, real))
         self._executor.run(self.manager)  # copy-on-write of shared last blocks; NaN fills
         computed = real.clone()
         for row, num_cached in enumerate(cached):
@@ -209,10 +222,24 @@ class PagedCache(Cache):
         index = None if computed.all() else computed.flatten().nonzero()[:, 0].to(self.kv.device)
         self._step = _Step(batch, (rows, columns), index)
 
-    def _add(self, tokens: list[list[int]]) -> list[int]:
+    def _prefix_keys(self, position_ids: torch.Tensor | None, real: torch.Tensor) -> list:
+        """The prefix-cache key of each new row: the position of its first token when its
+        positions count up from there (rotary K/V of equal tokens at equal positions are
+        equal), else a key of its own."""
+        rows, columns = real.shape
+        if position_ids is None:  # the model counts the columns
+            position_ids = torch.arange(columns)
+        positions = position_ids.cpu().expand(rows, columns) if position_ids.dim() <= 2 else None
+        keys = []
+        for row in range(rows):
+            own = positions is None or positions[row][real[row]].diff().ne(1).any()
+            keys.append(("row", next(self._ids)) if own else int(positions[row][real[row]][0]))
+        return keys
+
+    def _add(self, tokens: list[list[int]], keys: list) -> list[int]:
         self._rows = [next(self._ids) for _ in tokens]
-        return [self.manager.add_sequence(seq_id, t) for seq_id, t in zip(self._rows, tokens,
-                                                                         strict=True)]
+        return [self.manager.add_sequence(seq_id, t, key)
+                for seq_id, t, key in zip(self._rows, tokens, keys, strict=True)]
 
     def _append(self, tokens: list[list[int]]) -> list[int]:
         for seq_id, t in zip(self._rows, tokens, strict=True):
@@ -286,7 +313,7 @@ def _before_forward(model: torch.nn.Module, args: tuple, kwargs: dict):
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if input_ids is None:
         raise ValueError("PagedCache needs input_ids: the prefix cache keys blocks by token ids")
-    cache._begin(input_ids, kwargs.get("attention_mask"))
+    cache._begin(input_ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
     return args, {**kwargs, _KWARG: cache}
 
 
