@@ -229,3 +229,50 @@ def test_version_check(monkeypatch):
         monkeypatch.setattr(transformers, "__version__", version)
         with pytest.raises(ImportError, match=f"{version} is installed"):
             hf.check_transformers_version()
+
+
+# -- transformers' continuous batching -----------------------------------------------------------
+
+
+def generate_batch(model, prompts: list[list[int]], new: int = 12) -> list[list[int]]:
+    config = transformers.GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None,
+                                           pad_token_id=PAD)
+    batching = transformers.ContinuousBatchingConfig(page_size=16, num_blocks=64,
+                                                     max_batch_tokens=32)
+    out = model.generate_batch(prompts, generation_config=config,
+                               continuous_batching_config=batching, progress_bar=False)
+    assert all(out[key].error is None for key in out)
+    return [out[key].generated_tokens for key in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+
+
+def test_continuous_batching_runs_the_paged_kernel(monkeypatch):
+    """generate_batch with pagedkv's attention gives the tokens of its sdpa attention (and of
+    generate); the kernel ran (chunked prefills of 32 tokens, mixed with decodes)."""
+    model = tiny_model(seed=7)
+    model.set_attn_implementation("sdpa")
+    expected = generate_batch(model, PROMPTS)
+    assert expected[2] == generate(model, left_padded([PROMPTS[2]]), "sdpa", max_new_tokens=12,
+                                   min_new_tokens=12)[0].tolist()
+    calls = []
+    kernel = hf.ops.paged_attention
+    monkeypatch.setattr(hf.ops, "paged_attention", lambda *a: (calls.append(a[9]), kernel(*a)))
+    with hf.continuous_batching_attention(model):
+        assert model.config._attn_implementation == "paged|eager"
+        assert generate_batch(model, PROMPTS) == expected
+    assert calls and model.config._attn_implementation == "sdpa"
+    assert transformers.AttentionInterface._global_mapping["paged|eager"] is not \
+        hf.varlen_attention_forward
+
+
+def test_continuous_batching_refuses_other_versions(monkeypatch):
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    with pytest.raises(RuntimeError, match="5.25.0 is installed"):
+        hf.continuous_batching_attention(tiny_model())
+
+
+def test_continuous_batching_rejects_the_pagedkv_name():
+    """Why the context manager borrows "paged|eager": transformers refuses other names."""
+    model = tiny_model()
+    model.set_attn_implementation("pagedkv")
+    with pytest.raises(ValueError, match="not supported for continuous batching"):
+        generate_batch(model, PROMPTS[:1], new=1)

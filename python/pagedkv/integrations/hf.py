@@ -34,12 +34,16 @@ from pagedkv.blocks.plan import PlanExecutor
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.cache.spec import KVCacheSpec
 
-__all__ = ["ATTENTION", "SUPPORTED_TRANSFORMERS", "PagedCache", "paged_attention_forward"]
+__all__ = ["ATTENTION", "CONTINUOUS_BATCHING_TRANSFORMERS", "SUPPORTED_TRANSFORMERS", "PagedCache",
+           "continuous_batching_attention", "paged_attention_forward", "varlen_attention_forward"]
 
 ATTENTION = "pagedkv"
 """The name of the attention function in ``transformers.AttentionInterface``."""
 SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))
 """Versions of transformers this module is written against: [5.24, 6.0)."""
+CONTINUOUS_BATCHING_TRANSFORMERS = (5, 24)
+"""The one (major, minor) whose continuous batching ``varlen_attention_forward`` was checked
+against: it reads undocumented keyword arguments of that code (cu_seq_lens_q/k, max_length_q/k)."""
 _KWARG = "pagedkv_cache"  # the model keyword argument that carries the cache to the attention
 
 
@@ -290,11 +294,75 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if not isinstance(cache, PagedCache):
         raise ValueError('attn_implementation="pagedkv" reads a pagedkv.integrations.hf.PagedCache:'
                          " pass cache=PagedCache(model, num_blocks) to generate or forward")
+    _refuse_unsupported(kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return cache._attend(module.layer_idx, query, scale), None
+
+
+def _refuse_unsupported(kwargs: dict) -> None:
     for name in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f'the "pagedkv" attention does not take {name} yet')
+
+
+def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None,
+                             scaling: float | None = None, *, cu_seq_lens_q: torch.Tensor,
+                             cu_seq_lens_k: torch.Tensor, max_length_q: int, max_length_k: int,
+                             **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of transformers' continuous batching (``generate_batch``) by
+    ``pagedkv.ops.paged_attention``: packed ``query [1, heads, q_tokens, head_size]`` over the
+    K/V ``[1, kv_heads, kv_tokens, head_size]`` that its cache gathered, read as a paged cache of
+    one-token blocks (sequence i's block table counts up from ``cu_seq_lens_k[i]``); causal
+    within each sequence, so the dense mask transformers built is not read."""
+    _refuse_unsupported(kwargs)
+    keys, values = (x[0].transpose(0, 1).unsqueeze(2) for x in (key, value))
+    tokens = query[0].transpose(0, 1)  # [q_tokens, heads, head_size]
+    starts = cu_seq_lens_k[:-1].to(torch.int32)
+    tables = starts[:, None] + torch.arange(max(max_length_k, 1), dtype=torch.int32,
+                                            device=starts.device)
+    out = torch.zeros_like(tokens, memory_format=torch.contiguous_format)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return cache._attend(module.layer_idx, query, scale), None
+    ops.paged_attention(out, tokens, keys, values, tables, cu_seq_lens_k.diff().to(torch.int32),
+                        cu_seq_lens_q.to(torch.int32), max_length_k, max_length_q, scale)
+    return out.unsqueeze(0), None
+
+
+class continuous_batching_attention:  # noqa: N801 (a context manager, named like a function)
+    """Within the block, transformers' continuous batching runs its attention with pagedkv::
+
+        with continuous_batching_attention(model):
+            outputs = model.generate_batch(prompts, generation_config)
+
+    Continuous batching accepts only "sdpa", "paged|eager" or flash names (a flash name makes
+    transformers fetch a kernel from the Hub), so ``varlen_attention_forward`` is registered as
+    "paged|eager" for the block and the model switched to it; both are restored on exit. Raises
+    RuntimeError unless transformers is the version this was checked against.
+    """
+
+    NAME = "paged|eager"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if transformers_version() != CONTINUOUS_BATCHING_TRANSFORMERS:
+            major, minor = CONTINUOUS_BATCHING_TRANSFORMERS
+            raise RuntimeError(
+                f"pagedkv's continuous-batching attention reads keyword arguments that "
+                f"transformers {major}.{minor} passes to attention functions (cu_seq_lens_q/k, "
+                f"max_length_q/k), not a public API; transformers {transformers.__version__} is "
+                f"installed. Use PagedCache with generate, or transformers=={major}.{minor}.*")
+        self.model = model
+
+    def __enter__(self) -> torch.nn.Module:
+        self._saved = (AttentionInterface._global_mapping[self.NAME],
+                       self.model.config._attn_implementation)
+        AttentionInterface.register(self.NAME, varlen_attention_forward)
+        self.model.set_attn_implementation(self.NAME)
+        return self.model
+
+    def __exit__(self, *exc) -> None:
+        function, implementation = self._saved
+        AttentionInterface.register(self.NAME, function)
+        self.model.set_attn_implementation(implementation)
 
 
 def _cache_of(kwargs: dict) -> PagedCache | None:
