@@ -9,8 +9,10 @@ import torch
 
 # suite -> whether it times device kernels (and so takes --device); the manager's, the
 # engine's step times (the simulator's calibration) and the validation that uses them are host-only.
+# bench_hf (transformers' generate and generate_batch with pagedkv vs sdpa) skips itself when
+# transformers is not installed.
 SUITES = {"bench.bench_cache": True, "bench.bench_attention": True, "bench.bench_manager": False,
-          "bench.bench_engine": False, "bench.validate_sim": False}
+          "bench.bench_engine": False, "bench.validate_sim": False, "bench.bench_hf": True}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -71,3 +71,17 @@ def test_the_check_sees_upward_imports(tmp_path):
     assert found == [(1, "pagedkv.tools.cli"), (2, "pagedkv.serving.engine"),
                      (4, "pagedkv.serving"), (5, "pagedkv.blocks")]
     assert [layer_of(name) > 3 for _, name in found] == [True, True, True, False]
+
+
+def test_only_integrations_import_transformers():
+    """transformers is an optional extra: only pagedkv.integrations may import it."""
+    found = []
+    for path in MODULES:
+        if path.relative_to(PACKAGE).parts[0] == "integrations":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(PACKAGE)}:{node.lineno}" for name in names
+                      if name.split(".")[0] == "transformers"]
+    assert not found, f"modules outside pagedkv.integrations import transformers: {found}"
