@@ -194,6 +194,40 @@ def test_holds_less_kv_memory_than_dynamic_cache():
     assert ratio < 0.6
 
 
+def test_row_selection_forks_block_tables():
+    model = tiny_model()
+    cache = paged(model)
+    model.set_attn_implementation("pagedkv")
+    with torch.no_grad():
+        model(**left_padded(PROMPTS[:2]), cache=cache)
+    tables = [cache.manager.block_table(seq) for seq in cache._rows]
+    used = cache.manager.allocator.num_used_blocks
+    cache.batch_repeat_interleave(2)
+    assert [cache.manager.block_table(seq) for seq in cache._rows] == [
+        tables[0], tables[0], tables[1], tables[1]]
+    cache.batch_select_indices(torch.tensor([3, 0]))
+    assert [cache.manager.block_table(seq) for seq in cache._rows] == tables[::-1]
+    assert cache.manager.allocator.num_used_blocks == used and len(cache.manager) == 2
+    with pytest.raises(IndexError, match=r"in \[0, 2\)"):
+        cache.reorder_cache(torch.tensor([0, 2]))
+
+
+def test_a_failed_forward_is_not_built_upon():
+    model = tiny_model()
+    cache = paged(model)
+    model.set_attn_implementation("pagedkv")
+    layer = model.model.layers[1].self_attn
+    handle = layer.register_forward_pre_hook(lambda *_: 1 / 0)
+    with pytest.raises(ZeroDivisionError), torch.no_grad():
+        model(**left_padded(PROMPTS[:2]), cache=cache)
+    handle.remove()
+    with pytest.raises(RuntimeError, match="reset"), torch.no_grad():
+        model(**left_padded(PROMPTS[:2]), cache=cache)
+    cache.reset()
+    assert torch.equal(generate(model, left_padded(PROMPTS[:2]), "pagedkv", cache),
+                       generate(model, left_padded(PROMPTS[:2]), "sdpa"))
+
+
 def test_paged_cache_needs_the_pagedkv_attention():
     model = tiny_model()
     inputs = left_padded(PROMPTS[:2])

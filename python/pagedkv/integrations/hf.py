@@ -91,8 +91,8 @@ class PagedCache(Cache):
 
     Args:
         model: the causal LM it serves (its config gives the cache shape, its first parameter the
-            dtype and device). A forward pre-hook is added to it once, to see each forward's
-            ``input_ids`` and ``attention_mask``.
+            dtype and device). Hooks are added to its forward once: they see each forward's
+            ``input_ids``, ``attention_mask`` and ``position_ids`` and plan the step.
         num_blocks: blocks in the pool (block 0 is reserved); the batch's tokens must fit.
         block_size: tokens per block.
         enable_prefix_caching: share full blocks of identical prefixes, within a batch and, after
@@ -178,9 +178,13 @@ class PagedCache(Cache):
                                   "its cache); use a DynamicCache there")
 
     def reset(self) -> None:
-        """Free every sequence (their full blocks stay in the prefix cache) for a new batch."""
+        """Free every sequence (their full blocks stay in the prefix cache) for a new batch.
+        After a forward that raised, the prefix cache is emptied too: that forward registered
+        blocks it may not have written."""
         for seq_id in self._rows:
             self.manager.free(seq_id)
+        if self._step is not None:
+            self.manager.evict_cached()
         self._rows, self._columns, self._step = [], 0, None
 
     # -- memory --------------------------------------------------------------------------------
@@ -197,6 +201,9 @@ class PagedCache(Cache):
                position_ids: torch.Tensor | None) -> None:
         """Plan a forward over ``input_ids [rows, columns]``: new rows on the first forward,
         appended tokens after it; ``attention_mask [rows, past + columns]`` marks real tokens."""
+        if self._step is not None:
+            raise RuntimeError("a forward with this PagedCache did not finish (it raised); its "
+                               "sequences are incomplete: reset() the cache")
         rows, columns = input_ids.shape
         real = torch.ones(rows, columns, dtype=torch.bool)
         if attention_mask is not None:
