@@ -121,6 +121,21 @@ def test_beam_search_equals_transformers(num_beams):
     assert sum(copies) < rows * 10
 
 
+def test_sampling_several_sequences_equals_transformers():
+    """Sampling with num_return_sequences: the rows are copies of each prompt (sharing its full
+    blocks); with one seed both paths draw the same tokens."""
+    model = tiny_model(seed=8)
+    inputs = left_padded(PROMPTS[:3])
+    kwargs = dict(do_sample=True, num_return_sequences=3, top_k=0, max_new_tokens=10,
+                  min_new_tokens=10)
+    torch.manual_seed(1)
+    expected = generate(model, inputs, "sdpa", **kwargs)
+    torch.manual_seed(1)
+    cache = paged(model)
+    assert torch.equal(generate(model, inputs, "pagedkv", cache, **kwargs), expected)
+    assert cache.manager.prefix_cache.stats.hit_tokens > 0
+
+
 def test_beams_share_the_prompt_blocks():
     """The beams of one prompt are copies of it: they share its full blocks at the prefill, and
     after the first step every beam is a fork of the first one (one block table)."""
