@@ -266,10 +266,17 @@ def test_batch_size_must_not_change_without_reset():
         model(**left_padded(PROMPTS[:3]), cache=cache)
 
 
-def test_out_of_blocks_names_the_pool():
+def test_out_of_blocks_names_the_pool_and_reset_recovers():
     model = tiny_model()
+    cache = paged(model, num_blocks=4)
     with pytest.raises(OutOfBlocksError, match="out of device blocks"):
-        generate(model, left_padded(PROMPTS), "pagedkv", paged(model, num_blocks=4))
+        generate(model, left_padded(PROMPTS), "pagedkv", cache)
+    cache.reset()
+    assert len(cache.manager) == 0 and cache.manager.allocator.num_used_blocks == 0
+    inputs = left_padded([[5, 6, 7]])
+    assert torch.equal(generate(model, inputs, "pagedkv", cache, max_new_tokens=4,
+                                min_new_tokens=4),
+                       generate(model, inputs, "sdpa", max_new_tokens=4, min_new_tokens=4))
 
 
 def test_version_check(monkeypatch):

@@ -64,6 +64,35 @@ def check_transformers_version() -> None:
             "installed. pip install 'pagedkv[hf]' installs the tested version.")
 
 
+def _real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor, list[list[int]]]:
+    """Which columns of ``input_ids [rows, columns]`` are real (bool, CPU) and each row's real
+    token ids, from ``attention_mask [rows, past + columns]`` (None: all real)."""
+    rows, columns = input_ids.shape
+    real = torch.ones(rows, columns, dtype=torch.bool)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != rows:
+            raise ValueError(f"PagedCache takes a 2D attention_mask [{rows}, past + {columns}], "
+                             f"got shape {tuple(attention_mask.shape)}")
+        real = attention_mask[:, -columns:].bool().cpu()
+    ids = input_ids.cpu()
+    tokens = [ids[row][real[row]].tolist() for row in range(rows)]
+    if not all(tokens):
+        empty = next(row for row, t in enumerate(tokens) if not t)
+        raise ValueError(f"attention_mask gives row {empty} no token in this forward")
+    return real, tokens
+
+
+def _query_index(real: torch.Tensor, cached: list[int], device: torch.device,
+                 ) -> torch.Tensor | None:
+    """The flat positions (rows x columns) of the tokens to compute: real and not found in the
+    prefix cache (a row's first ``cached[row]`` real tokens). None when that is all of them."""
+    computed = real.clone()
+    for row, num_cached in enumerate(cached):
+        computed[row, real[row].nonzero()[:num_cached, 0]] = False
+    return None if computed.all() else computed.flatten().nonzero()[:, 0].to(device)
+
+
 @dataclass(slots=True)
 class _Step:
     """One forward's batch: the query tokens of every row, as the paged ops take them."""
@@ -121,7 +150,8 @@ class PagedCache(Cache):
         self._rows: list[int] = []  # the manager's sequence id of each batch row
         self._ids = itertools.count()
         self._columns = 0  # what transformers calls the sequence length: padding included
-        self._step: _Step | None = None
+        self._step: _Step | None = None  # the forward running now
+        self._unfinished = False  # a forward began and has not ended (or raised)
         _hook(model)
 
     # -- what transformers asks of a Cache ---------------------------------------------------
@@ -183,9 +213,9 @@ class PagedCache(Cache):
         blocks it may not have written."""
         for seq_id in self._rows:
             self.manager.free(seq_id)
-        if self._step is not None:
+        if self._unfinished:
             self.manager.evict_cached()
-        self._rows, self._columns, self._step = [], 0, None
+        self._rows, self._columns, self._step, self._unfinished = [], 0, None, False
 
     # -- memory --------------------------------------------------------------------------------
 
@@ -201,37 +231,22 @@ class PagedCache(Cache):
                position_ids: torch.Tensor | None) -> None:
         """Plan a forward over ``input_ids [rows, columns]``: new rows on the first forward,
         appended tokens after it; ``attention_mask [rows, past + columns]`` marks real tokens."""
-        if self._step is not None:
+        if self._unfinished:
             raise RuntimeError("a forward with this PagedCache did not finish (it raised); its "
                                "sequences are incomplete: reset() the cache")
-        rows, columns = input_ids.shape
-        real = torch.ones(rows, columns, dtype=torch.bool)
-        if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != rows:
-                raise ValueError(f"PagedCache takes a 2D attention_mask [{rows}, past + "
-                                 f"{columns}], got shape {tuple(attention_mask.shape)}")
-            real = attention_mask[:, -columns:].bool().cpu()
-        ids = input_ids.cpu()
-        tokens = [ids[row][real[row]].tolist() for row in range(rows)]
-        if not all(tokens):
-            empty = next(row for row, t in enumerate(tokens) if not t)
-            raise ValueError(f"attention_mask gives row {empty} no token in this forward")
-        if self._rows and rows != len(self._rows):
-            raise ValueError(f"the cache holds {len(self._rows)} rows, the input has {rows}; "
-                             "reset() it before a new batch")
+        real, tokens = _real_tokens(input_ids, attention_mask)
+        if self._rows and len(tokens) != len(self._rows):
+            raise ValueError(f"the cache holds {len(self._rows)} rows, the input has "
+                             f"{len(tokens)}; reset() it before a new batch")
+        self._unfinished = True
         if self._rows:
             cached = self._append(tokens)
         else:
             cached = self._add(tokens, self._prefix_keys(position_ids, real))
         self._executor.run(self.manager)  # copy-on-write of shared last blocks; NaN fills
-        computed = real.clone()
-        for row, num_cached in enumerate(cached):
-            computed[row, real[row].nonzero()[:num_cached, 0]] = False
-        batch = self.manager.build_batch(
-            self._rows, [len(t) - c for t, c in zip(tokens, cached, strict=True)],
-            device=self.kv.device)
-        index = None if computed.all() else computed.flatten().nonzero()[:, 0].to(self.kv.device)
-        self._step = _Step(batch, (rows, columns), index)
+        query_lens = [len(t) - c for t, c in zip(tokens, cached, strict=True)]
+        batch = self.manager.build_batch(self._rows, query_lens, device=self.kv.device)
+        self._step = _Step(batch, tuple(real.shape), _query_index(real, cached, self.kv.device))
 
     def _prefix_keys(self, position_ids: torch.Tensor | None, real: torch.Tensor) -> list:
         """The prefix-cache key of each new row: the position of its first token when its
@@ -248,9 +263,12 @@ class PagedCache(Cache):
         return keys
 
     def _add(self, tokens: list[list[int]], keys: list) -> list[int]:
-        self._rows = [next(self._ids) for _ in tokens]
-        return [self.manager.add_sequence(seq_id, t, key)
-                for seq_id, t, key in zip(self._rows, tokens, keys, strict=True)]
+        cached = []
+        for t, key in zip(tokens, keys, strict=True):
+            seq_id = next(self._ids)
+            cached.append(self.manager.add_sequence(seq_id, t, key))
+            self._rows.append(seq_id)  # only what the manager holds: reset() frees these
+        return cached
 
     def _append(self, tokens: list[list[int]]) -> list[int]:
         for seq_id, t in zip(self._rows, tokens, strict=True):
@@ -259,7 +277,7 @@ class PagedCache(Cache):
 
     def _end(self) -> None:
         self._columns += self._current().shape[1]
-        self._step = None
+        self._step, self._unfinished = None, False
 
     def _current(self) -> _Step:
         if self._step is None:
