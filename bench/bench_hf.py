@@ -65,9 +65,9 @@ def left_padded(prompts: list[list[int]], device: str) -> dict[str, torch.Tensor
             "attention_mask": torch.tensor(mask, device=device)}
 
 
-def alternate(variants: dict[str, Callable[[], object]]) -> tuple[dict[str, float], dict]:
-    """Median seconds of each variant over REPEATS rounds, the variants alternating; and the
-    last result of each."""
+def alternate(variants: dict[str, Callable[[], object]]) -> tuple[dict[str, list[float]], dict]:
+    """Seconds of each variant in REPEATS rounds, the variants alternating; and the last result
+    of each."""
     times = {name: [] for name in variants}
     results = {}
     for _ in range(REPEATS):
@@ -77,7 +77,13 @@ def alternate(variants: dict[str, Callable[[], object]]) -> tuple[dict[str, floa
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}, results
+    return times, results
+
+
+def row(bench: str, variant: str, runs: list[float], tokens: int, same: bool) -> dict:
+    median = statistics.median(runs)
+    return {"bench": bench, "variant": variant, "seconds": median, "runs_s": runs,
+            "tokens_per_s": tokens / median, "same_tokens": same}
 
 
 def bench_generate(model, prompts, new: int, device: str) -> list[dict]:
@@ -103,9 +109,7 @@ def bench_generate(model, prompts, new: int, device: str) -> list[dict]:
     })
     dynamic = sum(layer.keys.nbytes + layer.values.nbytes for layer in caches["sdpa"].layers)
     same = torch.equal(*tokens.values())
-    rows = [{"bench": "generate", "variant": name, "seconds": s,
-             "tokens_per_s": len(prompts) * new / s, "same_tokens": same}
-            for name, s in seconds.items()]
+    rows = [row("generate", name, runs, len(prompts) * new, same) for name, runs in seconds.items()]
     rows[0]["kv_bytes"], rows[1]["kv_bytes"] = dynamic, caches["pagedkv"].used_bytes
     return rows
 
@@ -131,9 +135,8 @@ def bench_generate_batch(model, prompts, new: int) -> list[dict]:
     model.set_attn_implementation("sdpa")
     seconds, tokens = alternate({"sdpa": run, "pagedkv": paged})
     same = tokens["sdpa"] == tokens["pagedkv"]
-    return [{"bench": "generate_batch", "variant": name, "seconds": s,
-             "tokens_per_s": len(prompts) * new / s, "same_tokens": same}
-            for name, s in seconds.items()]
+    return [row("generate_batch", name, runs, len(prompts) * new, same)
+            for name, runs in seconds.items()]
 
 
 def print_table(rows: list[dict]) -> None:

@@ -1,5 +1,5 @@
-"""pagedkv inside Hugging Face transformers ``generate``: a ``Cache`` whose storage is a paged KV
-cache, and the ``"pagedkv"`` attention that reads it with ``pagedkv.ops.paged_attention``::
+"""pagedkv inside Hugging Face transformers. In ``generate``: a ``Cache`` whose storage is a paged
+KV cache, and the ``"pagedkv"`` attention that reads it with ``pagedkv.ops.paged_attention``::
 
     from pagedkv.integrations.hf import PagedCache
 
@@ -11,10 +11,14 @@ prompts that share full blocks of a prefix share those blocks (prefix cache), an
 reorders rows by forking block tables (copy-on-write of a shared last block) instead of copying
 caches. Padding columns (``attention_mask`` 0) are never written to the cache and never attended.
 
-How it plugs in (docs/hf_integration.md): ``Cache.update`` receives only the K/V of one layer, so
-a forward pre-hook on the model reads the token ids and the padding mask of each forward, plans
-the step (blocks, slot mapping, block tables) and passes the cache to the attention function as
-a model keyword argument, the way transformers' own continuous batching passes its block tables.
+``Cache.update`` receives only the K/V of one layer, so hooks on the model's forward read the
+token ids, padding mask and positions of each forward, plan the step (blocks, slot mapping, block
+tables) and pass the cache to the attention function as a model keyword argument, the way
+transformers' continuous batching passes its batch to attention.
+
+In continuous batching (``generate_batch``) transformers keeps its own cache; within
+``continuous_batching_attention(model)`` its attention runs on ``paged_attention``. What works,
+what transformers lacks for more, and measurements: docs/hf_integration.md.
 """
 
 from __future__ import annotations
