@@ -314,16 +314,17 @@ def test_continuous_batching_runs_the_paged_kernel(monkeypatch):
     monkeypatch.setattr(hf.ops, "paged_attention", lambda *a: (calls.append(a[9]), kernel(*a)))
     with hf.continuous_batching_attention(model):
         assert model.config._attn_implementation == "paged|eager"
+        assert transformers.AttentionInterface()["paged|eager"] is hf.varlen_attention_forward
         assert generate_batch(model, PROMPTS) == expected
     assert calls and model.config._attn_implementation == "sdpa"
-    assert transformers.AttentionInterface._global_mapping["paged|eager"] is not \
-        hf.varlen_attention_forward
+    assert transformers.AttentionInterface()["paged|eager"] is not hf.varlen_attention_forward
 
 
 def test_continuous_batching_refuses_other_versions(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "5.25.0")
-    with pytest.raises(RuntimeError, match="5.25.0 is installed"):
-        hf.continuous_batching_attention(tiny_model())
+    with pytest.raises(RuntimeError, match="5.25.0 is installed"), \
+            hf.continuous_batching_attention(tiny_model()):
+        pass
 
 
 def test_continuous_batching_rejects_the_pagedkv_name():

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -357,7 +359,8 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out.unsqueeze(0), None
 
 
-class continuous_batching_attention:  # noqa: N801 (a context manager, named like a function)
+@contextmanager
+def continuous_batching_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Within the block, transformers' continuous batching runs its attention with pagedkv::
 
         with continuous_batching_attention(model):
@@ -368,30 +371,22 @@ class continuous_batching_attention:  # noqa: N801 (a context manager, named lik
     "paged|eager" for the block and the model switched to it; both are restored on exit. Raises
     RuntimeError unless transformers is the version this was checked against.
     """
-
-    NAME = "paged|eager"
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        if transformers_version() != CONTINUOUS_BATCHING_TRANSFORMERS:
-            major, minor = CONTINUOUS_BATCHING_TRANSFORMERS
-            raise RuntimeError(
-                f"pagedkv's continuous-batching attention reads keyword arguments that "
-                f"transformers {major}.{minor} passes to attention functions (cu_seq_lens_q/k, "
-                f"max_length_q/k), not a public API; transformers {transformers.__version__} is "
-                f"installed. Use PagedCache with generate, or transformers=={major}.{minor}.*")
-        self.model = model
-
-    def __enter__(self) -> torch.nn.Module:
-        self._saved = (AttentionInterface._global_mapping[self.NAME],
-                       self.model.config._attn_implementation)
-        AttentionInterface.register(self.NAME, varlen_attention_forward)
-        self.model.set_attn_implementation(self.NAME)
-        return self.model
-
-    def __exit__(self, *exc) -> None:
-        function, implementation = self._saved
-        AttentionInterface.register(self.NAME, function)
-        self.model.set_attn_implementation(implementation)
+    if transformers_version() != CONTINUOUS_BATCHING_TRANSFORMERS:
+        major, minor = CONTINUOUS_BATCHING_TRANSFORMERS
+        raise RuntimeError(
+            f"pagedkv's continuous-batching attention reads keyword arguments that transformers "
+            f"{major}.{minor} passes to attention functions (cu_seq_lens_q/k, max_length_q/k), "
+            f"not a public API; transformers {transformers.__version__} is installed. Use "
+            f"PagedCache with generate, or transformers=={major}.{minor}.*")
+    name = "paged|eager"
+    function, implementation = AttentionInterface()[name], model.config._attn_implementation
+    try:
+        AttentionInterface.register(name, varlen_attention_forward)
+        model.set_attn_implementation(name)
+        yield model
+    finally:
+        AttentionInterface.register(name, function)
+        model.set_attn_implementation(implementation)
 
 
 def _cache_of(kwargs: dict) -> PagedCache | None:
