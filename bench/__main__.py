@@ -10,8 +10,11 @@ import torch
 # suite -> whether it times device kernels (and so takes --device); the manager's, the
 # engine's step times (the simulator's calibration) and the validation that uses them are
 # host-only, and so is the SASS model of the built CUDA kernels (bench_gpu_model: no GPU needed).
+# bench_hf (transformers' generate and generate_batch with pagedkv vs sdpa) skips itself when
+# transformers is not installed.
 SUITES = {"bench.bench_cache": True, "bench.bench_attention": True, "bench.bench_manager": False,
-          "bench.bench_engine": False, "bench.validate_sim": False, "bench.bench_gpu_model": False}
+          "bench.bench_engine": False, "bench.validate_sim": False, "bench.bench_gpu_model": False,
+          "bench.bench_hf": True}
 
 
 def main(argv: list[str] | None = None) -> None:

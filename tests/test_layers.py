@@ -1,7 +1,7 @@
 """The package's layering: a module imports only from its own layer and the layers below.
 
-0 base (errors, checks) < 1 ops < 2 cache < 3 blocks < 4 serving < 5 tools; ``pagedkv/__init__``
-re-exports the public API and is exempt. Imports inside functions count too.
+0 base (errors, checks) < 1 ops < 2 cache < 3 blocks < 4 serving < 5 tools, integrations;
+``pagedkv/__init__`` re-exports the public API and is exempt. Imports inside functions count too.
 """
 
 import ast
@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "pagedkv"
 LAYERS = {"errors": 0, "checks": 0, "_C": 0, "_simt": 0, "ops": 1, "cache": 2, "blocks": 3,
-          "serving": 4, "tools": 5}
+          "serving": 4, "tools": 5, "integrations": 5}
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
 
 
@@ -71,3 +71,17 @@ def test_the_check_sees_upward_imports(tmp_path):
     assert found == [(1, "pagedkv.tools.cli"), (2, "pagedkv.serving.engine"),
                      (4, "pagedkv.serving"), (5, "pagedkv.blocks")]
     assert [layer_of(name) > 3 for _, name in found] == [True, True, True, False]
+
+
+def test_only_integrations_import_transformers():
+    """transformers is an optional extra: only pagedkv.integrations may import it."""
+    found = []
+    for path in MODULES:
+        if path.relative_to(PACKAGE).parts[0] == "integrations":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(PACKAGE)}:{node.lineno}" for name in names
+                      if name.split(".")[0] == "transformers"]
+    assert not found, f"modules outside pagedkv.integrations import transformers: {found}"

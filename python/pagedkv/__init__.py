@@ -13,6 +13,8 @@ layer  package                what
 3      ``pagedkv.blocks``     allocator, prefix cache, ``BlockManager``, batches, cache plans
 4      ``pagedkv.serving``    the model, the scheduler, ``LLMEngine``
 5      ``pagedkv.tools``      the ``pagedkv`` command, demo, simulator, presets
+5      ``pagedkv.             pagedkv inside Hugging Face transformers (``integrations.hf``,
+       integrations``         not imported here: transformers is optional)
 =====  =====================  =============================================================
 
 The names below are the public API.
