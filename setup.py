@@ -1,6 +1,7 @@
 """Build pagedkv's native modules.
 
-pagedkv._C     the ops: CPU kernels always; CUDA kernels when torch has CUDA and nvcc is found.
+pagedkv._C     the ops: CPU kernels always (the attention kernels once per instruction set,
+               see cpu_isa_units); CUDA kernels when torch has CUDA and nvcc is found.
 pagedkv._simt  the same CUDA kernel source compiled as host C++ against the SIMT emulator, for
                CPU tensors (built whenever the CUDA toolkit headers are found).
 
