@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
-#include <string>
 #include <vector>
 
 #include "cpu/attention_work.h"
@@ -28,9 +27,11 @@ constexpr int kItemsPerThread = 4;    // split until the items are about this ma
 #define PAGEDKV_ISA_NAME(isa) " " #isa
 constexpr const AttentionKernels* kIsas[] = {PAGEDKV_CPU_ISAS(PAGEDKV_KERNELS_ADDRESS)};
 constexpr const char* kIsaNames = PAGEDKV_CPU_ISAS(PAGEDKV_ISA_NAME);
+#undef PAGEDKV_KERNELS_ADDRESS
+#undef PAGEDKV_ISA_NAME
 
-// The index of the instruction set PAGEDKV_CPU_ISA names, which the processor must have; the
-// widest without it.
+// The index in kIsas of the instruction set PAGEDKV_CPU_ISA names, which the processor must
+// have; without it, the widest.
 size_t widest_allowed() {
   const char* want = std::getenv("PAGEDKV_CPU_ISA");
   if (want == nullptr || *want == '\0') return std::size(kIsas) - 1;
