@@ -5,7 +5,8 @@
 #   make test              set up, build, run the test suite (what CI runs)
 #   make bench             set up, build, run every microbenchmark
 #   make test TORCH=2.13.0 the same against the CPU-only torch build (no nvcc use)
-#   make ctest             torch-free native targets: emulator self-tests, nvcc + ptxas report
+#   make ctest             torch-free native targets: emulator self-tests, CPU attention kernels
+#                          of every instruction set, nvcc + ptxas report
 
 TORCH ?= 2.14.1
 PYTHON ?= python3

@@ -1,6 +1,7 @@
 """Build pagedkv's native modules.
 
-pagedkv._C     the ops: CPU kernels always; CUDA kernels when torch has CUDA and nvcc is found.
+pagedkv._C     the ops: CPU kernels always (the attention kernels once per instruction set,
+               see cpu_isa_units); CUDA kernels when torch has CUDA and nvcc is found.
 pagedkv._simt  the same CUDA kernel source compiled as host C++ against the SIMT emulator, for
                CPU tensors (built whenever the CUDA toolkit headers are found).
 
@@ -16,6 +17,7 @@ Environment switches:
 
 import glob
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -86,8 +88,26 @@ SIMT_FLAGS = [
 ]
 
 
+def cpu_isa_units() -> list[str]:
+    """The CPU attention kernels once per instruction set of PAGEDKV_CPU_ISAS
+    (csrc/cpu/attention_work.h): for each, a generated source in build/cpu_isa/ that defines
+    PKV_ISA_NAME and includes csrc/cpu/attention_isa.inc. Written only when its text changes,
+    so that rebuilds stay incremental."""
+    header = (ROOT / "csrc/cpu/attention_work.h").read_text()
+    line = re.search(r"^#define PAGEDKV_CPU_ISAS\(X\)(.*)$", header, re.M).group(1)
+    units = []
+    for isa in re.findall(r"X\((\w+)\)", line):
+        unit = ROOT / "build" / "cpu_isa" / f"attention_{isa}.cpp"
+        text = f'#define PKV_ISA_NAME {isa}\n#include "cpu/attention_isa.inc"\n'
+        if not unit.exists() or unit.read_text() != text:
+            unit.parent.mkdir(parents=True, exist_ok=True)
+            unit.write_text(text)
+        units.append(str(unit.relative_to(ROOT)))
+    return units
+
+
 def c_extension() -> cpp_extension.CppExtension:
-    srcs = sources("csrc/bindings.cpp", "csrc/cpu/*.cpp")
+    srcs = sources("csrc/bindings.cpp", "csrc/cpu/*.cpp") + cpu_isa_units()
     common = dict(
         name="pagedkv._C", include_dirs=[str(ROOT / "csrc")], extra_link_args=["-fopenmp"]
     )

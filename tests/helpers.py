@@ -1,7 +1,12 @@
-"""Shared test helpers: cache layouts, random data, bitwise comparison."""
+"""Shared test helpers: cache layouts, random data, bitwise comparison, the processor's
+instruction sets."""
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
+import pytest
 import torch
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -56,3 +61,40 @@ def unique_slots(num_tokens: int, num_slots: int, padding: int, device) -> torch
     slots = torch.randperm(num_slots)[:num_tokens]
     slots[torch.randperm(num_tokens)[:padding]] = -1
     return slots.to(device)
+
+
+# The instruction sets of the CPU attention kernels, narrowest first, and the processor flags
+# each needs (csrc/cpu/attention_isa.inc), read independently of the extension's own test.
+CPU_ISAS = {"base": set(), "avx2": {"avx2", "fma", "f16c"},
+            "avx512": {"avx512f", "avx2", "fma", "f16c"}}
+
+
+def cpu_flags() -> set[str]:
+    """The flags of the first processor in /proc/cpuinfo (none where there is no such file)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_has(isa: str) -> bool:
+    """Whether this processor runs the CPU kernels compiled for ``isa``."""
+    return not CPU_ISAS[isa] or (platform.machine() == "x86_64" and CPU_ISAS[isa] <= cpu_flags())
+
+
+def expected_cpu_kernel(head_size: int, most: str = "avx512") -> str:
+    """The kernels csrc/cpu/attention.cpp should pick: the widest set, at most ``most``, that the
+    processor has and whose vectors (16 floats for avx512, else 8) divide ``head_size``."""
+    allowed = list(CPU_ISAS)[:list(CPU_ISAS).index(most) + 1]
+    lanes = {"avx512": 16}
+    wide = [isa for isa in allowed if cpu_has(isa) and head_size % lanes.get(isa, 8) == 0]
+    return wide[-1] if wide else "base"
+
+
+def use_cpu_isa(monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
+    """Runs the CPU kernels compiled for ``isa`` (PAGEDKV_CPU_ISA, read at every call); skips
+    where this processor lacks it."""
+    if not cpu_has(isa):
+        pytest.skip(f"this processor has no {isa}: its kernels are compiled but cannot run here")
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", isa)

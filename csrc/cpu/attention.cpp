@@ -8,7 +8,8 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <string>
+#include <cstring>
+#include <iterator>
 #include <vector>
 
 #include "cpu/attention_work.h"
@@ -21,20 +22,35 @@ constexpr int kMaxRowsPerItem = 64;   // varlen: query rows (heads x tokens) sha
 constexpr int kMinKeysPerItem = 256;  // split-K never makes items shorter than this
 constexpr int kItemsPerThread = 4;    // split until the items are about this many per thread
 
-// The kernels of the widest instruction set this processor has (W must divide head_size).
-// PAGEDKV_CPU_ISA=base|avx2|avx512 asks for a narrower one (tests, benchmarks).
+// Every instruction set's kernels, narrowest first, and their names.
+#define PAGEDKV_KERNELS_ADDRESS(isa) &kernels_##isa,
+#define PAGEDKV_ISA_NAME(isa) " " #isa
+constexpr const AttentionKernels* kIsas[] = {PAGEDKV_CPU_ISAS(PAGEDKV_KERNELS_ADDRESS)};
+constexpr const char* kIsaNames = PAGEDKV_CPU_ISAS(PAGEDKV_ISA_NAME);
+#undef PAGEDKV_KERNELS_ADDRESS
+#undef PAGEDKV_ISA_NAME
+
+// The index in kIsas of the instruction set PAGEDKV_CPU_ISA names, which the processor must
+// have; without it, the widest.
+size_t widest_allowed() {
+  const char* want = std::getenv("PAGEDKV_CPU_ISA");
+  if (want == nullptr || *want == '\0') return std::size(kIsas) - 1;
+  size_t i = 0;
+  while (i < std::size(kIsas) && std::strcmp(kIsas[i]->name, want) != 0) ++i;
+  TORCH_CHECK_VALUE(i < std::size(kIsas), "PAGEDKV_CPU_ISA must be one of", kIsaNames,
+                    " (or unset), got '", want, "'");
+  TORCH_CHECK_VALUE(kIsas[i]->cpu_has(), "PAGEDKV_CPU_ISA=", want, ": this processor has no ",
+                    want, " (or the build is for another architecture)");
+  return i;
+}
+
+// The kernels of the widest instruction set this processor has whose vectors divide head_size,
+// at most the one PAGEDKV_CPU_ISA names (tests, benchmarks).
 const AttentionKernels& select_kernels(int32_t head_size) {
-  const char* env = std::getenv("PAGEDKV_CPU_ISA");
-  const std::string want = env ? env : "";
-#if defined(__x86_64__) || defined(_M_X64)
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                           __builtin_cpu_supports("f16c");
-  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
-  if (want == "base") return kernels_base();
-  if (avx512 && head_size % 16 == 0 && (want.empty() || want == "avx512")) return kernels_avx512();
-  if (avx2) return kernels_avx2();
-#endif
-  return kernels_base();
+  for (size_t i = widest_allowed(); i > 0; --i) {
+    if (kIsas[i]->cpu_has() && head_size % kIsas[i]->lanes == 0) return *kIsas[i];
+  }
+  return *kIsas[0];  // the baseline: any processor, any head size the glue accepts
 }
 
 struct Plan {

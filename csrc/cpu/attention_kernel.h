@@ -558,8 +558,3 @@ inline void attend(const PagedAttentionParams& p, const WorkItem& w, float* scra
 }
 
 #include "cpu/attention_merge.h"
-
-inline const AttentionKernels& kernels(const char* name) {
-  static const AttentionKernels k{name, &attend, &merge_partials, &merge_attn_states};
-  return k;
-}

@@ -3,7 +3,7 @@
 // horizontal sum) take them from PKV_ISA: 0 portable, 1 AVX2 + FMA + F16C, 2 AVX-512F.
 //
 // No include guard: included once per instruction set, by cpu/attention_kernel.h, inside
-// namespace pagedkv::cpu::<isa> and under that set's target pragma (see attention_avx2.cpp).
+// namespace pagedkv::cpu::<isa> and under that set's target pragma (see attention_isa.inc).
 
 #if PKV_ISA == 2
 constexpr int W = 16;

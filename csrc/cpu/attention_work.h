@@ -40,8 +40,15 @@ inline int64_t scratch_floats(int64_t max_rows, int64_t head_size) {
   return max_rows * (2 * head_size + kKeysPerChunk + 2) + 64;
 }
 
+// The instruction sets the kernels are compiled for, narrowest first. Each is one translation
+// unit of cpu/attention_isa.inc, which setup.py and CMakeLists.txt generate from this line.
+#define PAGEDKV_CPU_ISAS(X) X(base) X(avx2) X(avx512)
+
+// One instruction set's kernels (defined by its unit as kernels_<isa>).
 struct AttentionKernels {
-  const char* name;
+  const char* name;    // the instruction set, as in PAGEDKV_CPU_ISAS
+  int lanes;           // floats per vector: head_size must be a multiple
+  bool (*cpu_has)();   // whether this processor runs them: ask before calling the others
   void (*attend)(const PagedAttentionParams& p, const WorkItem& item, float* scratch,
                  const Partials& partials);
   void (*merge_partials)(const PagedAttentionParams& p, const WorkItem* items,
@@ -49,12 +56,9 @@ struct AttentionKernels {
   void (*merge_attn_states)(const MergeAttnParams& p, int64_t row_begin, int64_t row_end);
 };
 
-// Each is defined in its own translation unit, compiled for its instruction set.
-const AttentionKernels& kernels_base();
-#if defined(__x86_64__) || defined(_M_X64)
-const AttentionKernels& kernels_avx2();
-const AttentionKernels& kernels_avx512();
-#endif
+#define PAGEDKV_DECLARE_KERNELS(isa) extern const AttentionKernels kernels_##isa;
+PAGEDKV_CPU_ISAS(PAGEDKV_DECLARE_KERNELS)
+#undef PAGEDKV_DECLARE_KERNELS
 
 // The name ("base", "avx2" or "avx512") of the kernels the attention ops run for this head size
 // on this processor, PAGEDKV_CPU_ISA included (cpu/attention.cpp; `pagedkv info` shows it).

@@ -11,6 +11,8 @@ from attention_cases import FLOAT_DTYPES, Case, call, check, make_args, max_err
 
 from pagedkv.ops import reference
 
+from helpers import CPU_ISAS, use_cpu_isa
+
 TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
@@ -35,6 +37,16 @@ def test_matches_reference(backend, dtype, head_size):
     reference.merge_attn_states(*want, *[t.cpu() for t in args[2:]])
     assert max_err(args[0], want[0]) <= TOLERANCE[dtype]
     assert max_err(args[1], want[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_cpu_instruction_sets(backend, isa, monkeypatch):
+    """The CPU kernels of every instruction set this processor has (PAGEDKV_CPU_ISA)."""
+    if backend.name != "cpu":
+        pytest.skip("CPU kernels only")
+    use_cpu_isa(monkeypatch, isa)
+    for head_size, dtype in ((80, torch.bfloat16), (88, torch.float16), (256, torch.float32)):
+        test_matches_reference(backend, dtype, head_size)
 
 
 def test_both_empty_gives_zeros_and_minus_inf(backend):

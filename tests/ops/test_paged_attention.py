@@ -17,6 +17,10 @@ from attention_cases import (
     to_device,
 )
 
+from pagedkv import ops
+
+from helpers import CPU_ISAS, cpu_has, expected_cpu_kernel, use_cpu_isa
+
 HEAD_SIZES = [64, 80, 96, 112, 128, 192, 256, 8, 24]
 BLOCK_SIZES = [1, 3, 16, 256]
 GROUPS = [(4, 4), (8, 2), (16, 2), (8, 1)]  # (num_heads, num_kv_heads): ratios 1, 4, 8, MQA
@@ -175,12 +179,15 @@ def test_no_tokens(backend):
     assert args["out"].numel() == 0
 
 
-@pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", CPU_ISAS)
 def test_cpu_instruction_sets(backend, isa, monkeypatch):
-    """Every compiled instruction set of the CPU kernels (one not on this CPU falls back)."""
+    """The CPU kernels of every instruction set this processor has (PAGEDKV_CPU_ISA)."""
     if backend.name != "cpu":
         pytest.skip("CPU kernels only")
-    monkeypatch.setenv("PAGEDKV_CPU_ISA", isa)
+    use_cpu_isa(monkeypatch, isa)
+    for head_size in (80, 88):  # 88 is no multiple of avx512's 16 floats: avx2 runs it
+        assert ops.cpu_attention_kernel(head_size) == expected_cpu_kernel(head_size, isa)
+    assert ops.cpu_attention_kernel(80) == isa
     for dtype in (torch.float16, torch.bfloat16):
         run(backend, Case(dtype=dtype, head_size=80, num_kv_heads=1, **FEATURES["all"]))
     # bfloat16 V rows are accumulated in pair order (groups of 2 vectors); head sizes with a
@@ -195,6 +202,25 @@ def test_cpu_instruction_sets(backend, isa, monkeypatch):
                       head_size=128, alibi=True, soft_cap=5.0))
     run(backend, Case(seq_lens=(700, 3), num_heads=2, num_kv_heads=2, head_size=32,
                       cache_dtype=torch.float8_e5m2))
+
+
+@pytest.mark.parametrize("isa", ["sse9", "avx2", "avx512"])
+def test_cpu_instruction_set_refused(backend, isa, monkeypatch):
+    """PAGEDKV_CPU_ISA naming no instruction set, or one this processor lacks, is an error that
+    names it, raised before anything is written."""
+    if backend.name != "cpu":
+        pytest.skip("CPU kernels only")
+    if isa in CPU_ISAS and cpu_has(isa):
+        pytest.skip(f"this processor has {isa}")
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", isa)
+    want = "must be one of base avx2 avx512" if isa not in CPU_ISAS else f"has no {isa}"
+    args = make_args(Case(seq_lens=(5, 20), q_lens=(2, 3)), backend.device)
+    args["out"].fill_(float("nan"))
+    with pytest.raises(ValueError, match=f"PAGEDKV_CPU_ISA.*{want}"):
+        call(backend.ops.paged_attention, args)
+    assert args["out"].isnan().all()
+    with pytest.raises(ValueError, match=want):
+        ops.cpu_attention_kernel(128)
 
 
 def test_opcheck(backend):

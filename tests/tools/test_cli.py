@@ -13,6 +13,8 @@ import pytest
 from pagedkv import ops
 from pagedkv.tools import cli
 
+from helpers import expected_cpu_kernel
+
 SMALL_SIM = ["simulate", "--requests", "40", "--num-blocks", "96", "--max-len", "1024",
              "--no-progress"]
 
@@ -32,30 +34,12 @@ def run_json(capsys, *argv: str) -> dict:
     assert code == 0
     return json.loads(out)
 
-
 def test_info(capsys):
     code, out, _ = run(capsys, "info")
     assert code == 0 and "pagedkv._C" in out and "CPU threads" in out
     data = run_json(capsys, "info")
     assert data["pagedkv._C"]["cpu"] is True and data["cpu_threads"] >= 1
     assert {"pagedkv", "torch", "pagedkv._simt", "gpu"} <= data.keys()
-
-
-def cpu_flags() -> set[str]:
-    """The flags of the first processor in /proc/cpuinfo."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def expected_cpu_kernel(head_size: int) -> str:
-    """What the CPU flags allow: AVX2 with FMA and F16C, AVX-512F on top for head sizes that
-    are a multiple of 16 (csrc/cpu/attention.cpp picks the widest)."""
-    flags = cpu_flags()
-    if not {"avx2", "fma", "f16c"} <= flags:
-        return "base"
-    return "avx512" if "avx512f" in flags and head_size % 16 == 0 else "avx2"
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or platform.machine() != "x86_64",
@@ -72,6 +56,9 @@ def test_info_names_the_cpu_kernel(capsys, monkeypatch):
     assert run_json(capsys, "info")["cpu_attention_kernel"] == "base"
     with pytest.raises(RuntimeError, match="head_size must be positive"):
         ops.cpu_attention_kernel(0)
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", "sse9")
+    code, _, err = run(capsys, "info")
+    assert code == 1 and "PAGEDKV_CPU_ISA must be one of base avx2 avx512" in err
 
 
 def test_size_preset_text_and_json(capsys):

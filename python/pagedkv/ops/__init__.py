@@ -215,7 +215,8 @@ def cpu_attention_kernel(head_size: int = 128) -> str:
 
     The answer of the extension's own run-time dispatch (csrc/cpu/attention.cpp): the widest
     instruction set the processor has (AVX2 needs FMA and F16C too; AVX-512 is used only when
-    ``head_size`` is a multiple of 16), narrowed by ``PAGEDKV_CPU_ISA=base|avx2|avx512``.
+    ``head_size`` is a multiple of 16), capped by ``PAGEDKV_CPU_ISA=base|avx2|avx512``, which
+    must name a set this processor has (``ValueError`` otherwise).
     """
     return torch.ops.pagedkv.cpu_attention_kernel(head_size)
 
