@@ -8,9 +8,10 @@ import importlib
 import torch
 
 # suite -> whether it times device kernels (and so takes --device); the manager's, the
-# engine's step times (the simulator's calibration) and the validation that uses them are host-only.
+# engine's step times (the simulator's calibration), the validation that uses them and the
+# engine's tokens/s against Hugging Face (CPU) are host-only.
 SUITES = {"bench.bench_cache": True, "bench.bench_attention": True, "bench.bench_manager": False,
-          "bench.bench_engine": False, "bench.validate_sim": False}
+          "bench.bench_engine": False, "bench.validate_sim": False, "bench.bench_serve": False}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -240,18 +241,23 @@ def print_table(result: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="the demo model only, 16 requests, 8 new tokens, 1 repeat")
+                        help="the demo model only, 8 requests, 8 new tokens, 1 repeat")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--repeats", type=int, help="timed runs of each way (default 3)")
+    parser.add_argument("--requests", type=int, help="requests (default 48)")
     parser.add_argument("--max-new", type=int, help="tokens generated per request (default 32)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), help="default: all")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_serve.json")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("transformers") is None:
+        print("bench_serve: skipped, it compares with transformers (pip install -e .[test])")
+        return {}
     if args.threads:
         torch.set_num_threads(args.threads)
     models = args.models or (["demo"] if args.quick else list(MODELS))
-    result = run(models, 16 if args.quick else 48, args.max_new or (8 if args.quick else 32),
-                 args.repeats or (1 if args.quick else 3))
+    quick = args.quick
+    result = run(models, args.requests or (8 if quick else 48),
+                 args.max_new or (8 if quick else 32), args.repeats or (1 if quick else 3))
     result["quick"] = args.quick
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
