@@ -11,9 +11,9 @@ generates ``max_new`` tokens, greedy, EOS ignored) three ways, alternating, ``--
 - ``engine_onednn``: the same engine after ``model.prepack()`` (oneDNN, prepacked weights).
 
 Tokens/s is generated tokens over the wall time of the ``generate`` call (median of the
-repeats; setup such as the KV cache's allocation is outside it). A warm-up run of each way comes
-first (oneDNN builds a kernel per new batch shape). Each engine way then runs once more with
-timing hooks for the split of its time: ``linears`` (forward hooks on every
+repeats; setup such as the engine's KV cache allocation is outside it). A warm-up run of each
+way comes first (oneDNN builds a kernel per new batch shape). Each engine way then runs once
+more with timing hooks for the split of its time: ``linears`` (forward hooks on every
 ``pagedkv.serving.linear.LinearGroup``), ``attention`` and ``cache_writes`` (the paged ops,
 timed through ``use_kernels``), ``other_model_ops`` (the rest of the model's forward: embedding,
 norms, rotary, activations, residuals) and ``engine_overhead`` (the rest of ``generate``:
@@ -32,8 +32,8 @@ import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -81,19 +81,18 @@ def hf_generate(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
 
 
 def engine_generate(model: LlamaForCausalLM, prompts: list[list[int]], max_new: int,
-                    hooks: Callable[[LLMEngine], object] | None = None) -> list[list[int]]:
-    """Greedy ``max_new`` tokens per prompt through an LLMEngine with room for all of them."""
+                    context: AbstractContextManager | None = None,
+                    ) -> tuple[float, list[list[int]]]:
+    """Greedy ``max_new`` tokens per prompt through an LLMEngine with room for all of them; the
+    seconds of its ``generate`` call (inside ``context``) and the tokens."""
     blocks = sum(-(-(len(p) + max_new) // BLOCK) for p in prompts) + 8
     engine = LLMEngine(model, EngineConfig(block_size=BLOCK, num_blocks=blocks,
                                            max_num_seqs=len(prompts)))
     params = SamplingParams(max_tokens=max_new, ignore_eos=True)
-    with hooks(engine) if hooks else _nothing():
-        return engine.generate(prompts, params)
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+    with context or nullcontext():
+        start = time.perf_counter()
+        out = engine.generate(prompts, params)
+        return time.perf_counter() - start, out
 
 
 class _TimedKernels:
@@ -145,9 +144,7 @@ def profile_split(model: LlamaForCausalLM, prompts: list[list[int]], max_new: in
     """Seconds and shares of one engine run: linears, attention, cache writes, other model ops,
     engine overhead."""
     seconds: dict[str, float] = defaultdict(float)
-    start = time.perf_counter()
-    engine_generate(model, prompts, max_new, lambda _: timing_hooks(model, seconds))
-    total = time.perf_counter() - start
+    total, _ = engine_generate(model, prompts, max_new, timing_hooks(model, seconds))
     parts = {"linears": seconds["linears"], "attention": seconds["attention"],
              "cache_writes": seconds["cache_writes"]}
     parts["other_model_ops"] = seconds["model"] - sum(parts.values())
@@ -172,9 +169,10 @@ def bench_model(name: str, num_requests: int, max_new: int, repeats: int) -> dic
 
     def serve(way: str) -> tuple[float, list[list[int]]]:
         _use(model, way)
+        if way != "hf":
+            return engine_generate(model, prompts, max_new)
         start = time.perf_counter()
-        out = (hf_generate(hf, prompts, max_new) if way == "hf"
-               else engine_generate(model, prompts, max_new))
+        out = hf_generate(hf, prompts, max_new)
         return time.perf_counter() - start, out
 
     outputs = {way: serve(way)[1] for way in ways}  # warm-up
