@@ -8,13 +8,14 @@ import importlib
 import torch
 
 # suite -> whether it times device kernels (and so takes --device); the manager's, the
-# engine's step times (the simulator's calibration) and the validation that uses them are
-# host-only, and so is the SASS model of the built CUDA kernels (bench_gpu_model: no GPU needed).
-# bench_hf (transformers' generate and generate_batch with pagedkv vs sdpa) skips itself when
+# engine's step times (the simulator's calibration), the validation that uses them and the
+# engine's tokens/s against Hugging Face (bench_serve, CPU) are host-only, and so is the SASS
+# model of the built CUDA kernels (bench_gpu_model: no GPU needed). bench_hf (transformers'
+# generate and generate_batch with pagedkv vs sdpa) and bench_serve skip themselves when
 # transformers is not installed.
 SUITES = {"bench.bench_cache": True, "bench.bench_attention": True, "bench.bench_manager": False,
-          "bench.bench_engine": False, "bench.validate_sim": False, "bench.bench_gpu_model": False,
-          "bench.bench_hf": True}
+          "bench.bench_engine": False, "bench.validate_sim": False, "bench.bench_serve": False,
+          "bench.bench_gpu_model": False, "bench.bench_hf": True}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,7 @@ from pagedkv import ops
 from pagedkv.blocks.batch import BatchTensors
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.cache.spec import KVCacheSpec
+from pagedkv.serving.linear import LinearGroup, pack_groups
 
 __all__ = ["LlamaForCausalLM", "ModelConfig"]
 
@@ -156,14 +157,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
+        self.out = LinearGroup(self.o_proj)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 cache: PagedKVCache, batch: BatchTensors) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; writes the T tokens' K/V to their slots."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         key_cache, value_cache = cache.layer(self.layer)
         k_scale = cache.k_scales[self.layer] if cache.k_scales else None
@@ -180,7 +184,7 @@ class Attention(nn.Module):
             max_seq_len=batch.max_seq_len, max_query_len=batch.max_query_len, scale=self.scale,
             alibi_slopes=None, sliding_window=-1, soft_cap=0.0, k_scale=k_scale,
             v_scale=v_scale, lse_out=None)
-        return self.o_proj(out.view(n, -1))
+        return self.out(out.view(n, -1))[0]
 
 
 class MLP(nn.Module):
@@ -192,9 +196,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
+        self.down = LinearGroup(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down(F.silu(gate) * up)[0]
 
 
 class DecoderLayer(nn.Module):
@@ -248,6 +255,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.head = LinearGroup(self.lm_head)
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
@@ -266,6 +274,40 @@ class LlamaForCausalLM(nn.Module):
                 module.kernels = kernels
         return self
 
+    def linear_groups(self) -> list[LinearGroup]:
+        """Every linear layer of the model, in the groups that share an input (q/k/v, o,
+        gate/up, down per layer, then lm_head)."""
+        groups = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            groups += [attn.qkv, attn.out, mlp.gate_up, mlp.down]
+        return groups + [self.head]
+
+    def prepack(self, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+        """Run the linear layers through oneDNN with prepacked weights (CPU only).
+
+        Each group of layers that reads one input (q/k/v, gate/up) becomes one matmul over a
+        copy of its concatenated weights, reordered once into oneDNN's blocked layout. ``dtype``
+        (default: the weights') is the dtype the matmuls compute in: float32, or bfloat16 where
+        the CPU has native bfloat16 arithmetic (``pagedkv.serving.linear.onednn_dtypes``).
+        The parameters stay as they are (state dicts, ``.to``); a copy is packed again when its
+        weights change. Costs one more copy of the weights in memory. Returns the model.
+
+        Raises InvalidArgumentError, packing nothing, on another device or an unsupported dtype.
+        """
+        pack_groups(self.linear_groups(), dtype or next(self.parameters()).dtype)
+        return self
+
+    def unpack(self) -> LlamaForCausalLM:
+        """Back to ``F.linear`` (drops the packed copies). Returns the model."""
+        pack_groups(self.linear_groups(), None)
+        return self
+
+    @property
+    def packed_dtype(self) -> torch.dtype | None:
+        """The dtype of the prepacked linears (None: ``F.linear``)."""
+        return self.head.dtype
+
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load a Hugging Face ``LlamaForCausalLM`` state dict (``lm_head`` optional if tied)."""
         state = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -283,5 +325,5 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(input_ids, positions, cache, batch)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        return self.lm_head(hidden)
+        return self.head(hidden)[0]
 
