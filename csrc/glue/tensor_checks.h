@@ -1,5 +1,5 @@
-// Argument checks shared by every backend's glue. Each failure names the op, the argument and
-// what was expected, and happens before anything is written.
+// Argument checks shared by the ops (csrc/ops/), and so by every backend. Each failure names the
+// op, the argument and what was expected, and happens before anything is written.
 #pragma once
 #include <ATen/ATen.h>
 

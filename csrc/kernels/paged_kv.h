@@ -33,7 +33,7 @@ struct PagedKVSlot {
 };
 
 // T is the element type: void in the parameter structs (the dtype is chosen at run time), the
-// cache's element type once dispatched (as<T>()), char for dtype-free copies.
+// cache's element type once dispatched (as<C>()), char for dtype-free copies.
 template <typename T>
 struct PagedKV {
   T* data;               // [num_blocks, num_kv_heads, block_size, head_size], strides
@@ -59,9 +59,10 @@ struct PagedKV {
     return h * strides.head + t * strides.token;
   }
 
+  // The start of block b.
   PAGEDKV_HOST_DEVICE T* block(int64_t b) const { return data + b * strides.block; }
 
-  // Head 0's row of a slot; head h's row is h * strides.head further.
+  // The row of token s.offset of block s.block, head 0; head h's is h * strides.head further.
   PAGEDKV_HOST_DEVICE T* row(const PagedKVSlot& s) const {
     return data + s.block * strides.block + s.offset * strides.token;
   }
@@ -72,9 +73,9 @@ struct PagedKV {
     return {data + h * strides.head + dim, strides, block_size};
   }
 
-  // Whether a block's rows lie back to back in (head, token) order, `row` units each (HND).
-  PAGEDKV_HOST_DEVICE bool dense_block(int64_t row) const {
-    return strides.token == row && strides.head == block_size * strides.token;
+  // Whether a block's rows lie back to back in (head, token) order, row_size units each (HND).
+  PAGEDKV_HOST_DEVICE bool dense_block(int64_t row_size) const {
+    return strides.token == row_size && strides.head == block_size * strides.token;
   }
 };
 
