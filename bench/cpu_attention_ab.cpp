@@ -135,10 +135,10 @@ int main(int argc, char** argv) {
   p.query = query.data();
   p.out_token_stride = p.q_token_stride = kHeads * kHeadSize;
   p.out_head_stride = p.q_head_stride = kHeadSize;
-  p.key_cache = key_cache;
-  p.value_cache = value_cache;
-  p.k_strides = p.v_strides =
-      CacheStrides{int64_t{kKvHeads} * kBlockSize * kHeadSize, kBlockSize * kHeadSize, kHeadSize};
+  const CacheStrides hnd{int64_t{kKvHeads} * kBlockSize * kHeadSize, kBlockSize * kHeadSize,
+                         kHeadSize};
+  p.key_cache = PagedKVView{key_cache, hnd, kBlockSize};
+  p.value_cache = PagedKVView{value_cache, hnd, kBlockSize};
   p.block_tables = table.data();
   p.block_table_stride = blocks_per_seq;
   p.seq_lens = seq_lens.data();
@@ -146,7 +146,6 @@ int main(int argc, char** argv) {
   p.num_heads = kHeads;
   p.num_kv_heads = kKvHeads;
   p.head_size = kHeadSize;
-  p.block_size = kBlockSize;
   p.num_blocks = blocks;
   p.max_blocks_per_seq = blocks_per_seq;
   p.max_seq_len = context;

@@ -1,4 +1,4 @@
-// CPU glue of the attention ops: checks (glue/attention_args.h), the instruction set, the work
+// CPU backend of the attention ops (their checks: csrc/ops/): the instruction set, the work
 // plan, and the threads. Work items (cpu/attention_work.h) are taken from a shared counter by
 // every thread of ATen's pool, so uneven sequences balance; long key ranges are split so that
 // one long sequence also keeps every thread busy, then merged by log-sum-exp.
@@ -13,7 +13,8 @@
 #include <vector>
 
 #include "cpu/attention_work.h"
-#include "glue/attention_args.h"
+#include "ops/merge_attn_states.h"
+#include "ops/paged_attention.h"
 
 namespace pagedkv::cpu {
 namespace {

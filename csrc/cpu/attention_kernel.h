@@ -89,23 +89,20 @@ inline ItemShape item_shape(const PagedAttentionParams& p, const WorkItem& w) {
 
 // Key position -> element offset of its row in a cache (kv head 0), walking the block table.
 struct RowCursor {
-  const CacheStrides* s;
+  const PagedKVView* cache;
   const int32_t* table;
-  int32_t block_size;
-  int64_t block;
-  int32_t offset;
+  PagedKVSlot at;  // the next position: logical block (a table index) and offset
 
-  RowCursor(const CacheStrides& st, const int32_t* t, int32_t bs, int64_t pos)
-      : s(&st), table(t), block_size(bs), block(pos / bs),
-        offset(static_cast<int32_t>(pos % bs)) {}
+  RowCursor(const PagedKVView& c, const int32_t* t, int64_t pos)
+      : cache(&c), table(t), at(c.locate(pos)) {}
 
   // offsets[i] = offset of the next n positions' rows; the cursor moves past them.
   void take(int n, int64_t* offsets) {
     for (int i = 0; i < n; ++i) {
-      offsets[i] = static_cast<int64_t>(table[block]) * s->block + offset * s->token;
-      if (++offset == block_size) {
-        offset = 0;
-        ++block;
+      offsets[i] = cache->offset(table[at.block], at.offset);
+      if (++at.offset == cache->block_size) {
+        at.offset = 0;
+        ++at.block;
       }
     }
   }
@@ -474,19 +471,17 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
   // that a step knows the rows of the next one (to prefetch).
   const int tc = chunk_keys(D * static_cast<int>(sizeof(C)));
   const int32_t* table = p.block_tables + w.seq * p.block_table_stride;
-  RowCursor k_cursor(p.k_strides, table, p.block_size, w.key_begin);
-  RowCursor v_cursor(p.v_strides, table, p.block_size, w.key_begin);
+  RowCursor k_cursor(p.key_cache, table, w.key_begin);
+  RowCursor v_cursor(p.value_cache, table, w.key_begin);
   int64_t k_off[2][TS + 8], v_off[2][TS];  // of this chunk and the next one
   const C *k_rows[TS + 8], *v_rows[TS], *k_next[TS];
   const auto keys_from = [&](int64_t key0) {
     return static_cast<int>(std::clamp<int64_t>(w.key_end - key0, 0, tc));
   };
-  const auto head_k = [&](int h) {
-    return static_cast<const C*>(p.key_cache) + (w.kv_head + h) * p.k_strides.head;
-  };
-  const auto head_v = [&](int h) {
-    return static_cast<const C*>(p.value_cache) + (w.kv_head + h) * p.v_strides.head;
-  };
+  const PagedKV<const C> k_cache = p.key_cache.as<const C>();
+  const PagedKV<const C> v_cache = p.value_cache.as<const C>();
+  const auto head_k = [&](int h) { return k_cache.head(w.kv_head + h).data; };
+  const auto head_v = [&](int h) { return v_cache.head(w.kv_head + h).data; };
   const int rph = shape.rows_per_head;
   const int row_bytes = D * static_cast<int>(sizeof(C));
   // Plain decode in whole groups of 4 query heads: S in quads (see Layout). (A window that

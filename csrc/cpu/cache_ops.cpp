@@ -10,7 +10,9 @@
 #include <limits>
 
 #include "cpu/stream_copy.h"
-#include "glue/cache_args.h"
+#include "ops/copy_blocks.h"
+#include "ops/reshape_and_cache.h"
+#include "ops/swap_blocks.h"
 
 namespace pagedkv {
 namespace {
@@ -43,22 +45,21 @@ void reshape_and_cache_typed(const ReshapeAndCacheParams& p) {
   const float v_scale = p.v_scale ? *p.v_scale : 1.f;
   const int64_t token_bytes = 2 * p.num_kv_heads * p.head_size * sizeof(Src);
   const bool streaming = p.num_tokens * token_bytes >= cpu::kStreamingBytes;
+  const PagedKV<Cache> k_cache = p.key_cache.as<Cache>();
+  const PagedKV<Cache> v_cache = p.value_cache.as<Cache>();
   at::parallel_for(0, p.num_tokens, grain_for(token_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = p.slot_mapping[t];
       if (slot < 0) continue;
-      const int64_t block = slot / p.block_size;
-      const int64_t offset = slot % p.block_size;
+      const PagedKVSlot at = k_cache.locate(slot);
       const Src* key = static_cast<const Src*>(p.key) + t * p.key_token_stride;
       const Src* value = static_cast<const Src*>(p.value) + t * p.value_token_stride;
-      Cache* key_cache = static_cast<Cache*>(p.key_cache) + block * p.k_strides.block +
-                         offset * p.k_strides.token;
-      Cache* value_cache = static_cast<Cache*>(p.value_cache) + block * p.v_strides.block +
-                           offset * p.v_strides.token;
+      Cache* key_row = k_cache.row(at);
+      Cache* value_row = v_cache.row(at);
       for (int32_t h = 0; h < p.num_kv_heads; ++h) {
-        write_row(key + h * p.key_head_stride, key_cache + h * p.k_strides.head, p.head_size,
+        write_row(key + h * p.key_head_stride, key_row + h * k_cache.strides.head, p.head_size,
                   k_scale, streaming);
-        write_row(value + h * p.value_head_stride, value_cache + h * p.v_strides.head,
+        write_row(value + h * p.value_head_stride, value_row + h * v_cache.strides.head,
                   p.head_size, v_scale, streaming);
       }
     }
@@ -75,12 +76,7 @@ void reshape_and_cache_src(const ReshapeAndCacheParams& p) {
   }
 }
 
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                       at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                       const c10::optional<at::Tensor>& k_scale,
-                       const c10::optional<at::Tensor>& v_scale) {
-  const ReshapeAndCacheParams p =
-      reshape_and_cache_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+void reshape_and_cache(const ReshapeAndCacheParams& p, const at::Tensor&) {
   switch (p.src_dtype) {
     case DType::kFloat32: return reshape_and_cache_src<float>(p);
     case DType::kFloat16: return reshape_and_cache_src<c10::Half>(p);
@@ -90,47 +86,41 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 // Copies one block of one cache row by row (a row is one token of one head), or in one piece
 // when the block is stored contiguously in HND order.
-void copy_block(char* cache, const CacheStrides& s, int64_t src, int64_t dst, int32_t heads,
-                int32_t block_size, int32_t row_bytes, bool streaming) {
-  char* from = cache + src * s.block;
-  char* to = cache + dst * s.block;
-  if (s.token == row_bytes && s.head == block_size * s.token) {
-    cpu::copy_bytes(to, from, static_cast<size_t>(heads) * block_size * row_bytes, streaming);
+void copy_block(const PagedKV<char>& cache, int64_t src, int64_t dst, int32_t heads,
+                int32_t row_bytes, bool streaming) {
+  const char* from = cache.block(src);
+  char* to = cache.block(dst);
+  if (cache.dense_block(row_bytes)) {
+    cpu::copy_bytes(to, from, static_cast<size_t>(heads) * cache.block_size * row_bytes,
+                    streaming);
     return;
   }
   for (int32_t h = 0; h < heads; ++h) {
-    for (int32_t t = 0; t < block_size; ++t) {
-      const int64_t off = h * s.head + t * s.token;
+    for (int32_t t = 0; t < cache.block_size; ++t) {
+      const int64_t off = cache.in_block(h, t);
       cpu::copy_bytes(to + off, from + off, row_bytes, streaming);
     }
   }
 }
 
-void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
-                 const at::Tensor& block_mapping) {
-  for (const CopyBlocksParams& p : copy_blocks_params(key_caches, value_caches, block_mapping)) {
-    const int64_t block_bytes = 2LL * p.num_kv_heads * p.block_size * p.row_bytes;
-    const int64_t items = p.num_pairs * p.num_layers;
-    const bool streaming = items * block_bytes >= cpu::kStreamingBytes;
-    at::parallel_for(0, items, grain_for(block_bytes), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t pair = i / p.num_layers;
-        const int32_t layer = static_cast<int32_t>(i % p.num_layers);
-        const int64_t src = p.block_mapping[2 * pair];
-        const int64_t dst = p.block_mapping[2 * pair + 1];
-        copy_block(p.key_caches[layer], p.k_strides_bytes, src, dst, p.num_kv_heads,
-                   p.block_size, p.row_bytes, streaming);
-        copy_block(p.value_caches[layer], p.v_strides_bytes, src, dst, p.num_kv_heads,
-                   p.block_size, p.row_bytes, streaming);
-      }
-      if (streaming) cpu::stream_fence();
-    });
-  }
+void copy_blocks(const CopyBlocksParams& p, const at::Tensor&) {
+  const int64_t block_bytes = 2LL * p.num_kv_heads * p.block_size * p.row_bytes;
+  const int64_t items = p.num_pairs * p.num_layers;
+  const bool streaming = items * block_bytes >= cpu::kStreamingBytes;
+  at::parallel_for(0, items, grain_for(block_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t pair = i / p.num_layers;
+      const int32_t layer = static_cast<int32_t>(i % p.num_layers);
+      const int64_t src = p.block_mapping[2 * pair];
+      const int64_t dst = p.block_mapping[2 * pair + 1];
+      copy_block(p.key_cache(layer), src, dst, p.num_kv_heads, p.row_bytes, streaming);
+      copy_block(p.value_cache(layer), src, dst, p.num_kv_heads, p.row_bytes, streaming);
+    }
+    if (streaming) cpu::stream_fence();
+  });
 }
 
-void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
-  TORCH_CHECK(dst.is_cpu(), "swap_blocks: dst must be on the CPU when src is, got ", dst.device());
-  const SwapBlocksParams p = swap_blocks_params(src, dst, block_mapping);
+void swap_blocks(const SwapBlocksParams& p, const at::Tensor&, const at::Tensor&) {
   const bool streaming = p.num_pairs * p.block_bytes >= cpu::kStreamingBytes;
   at::parallel_for(0, p.num_pairs, grain_for(p.block_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -145,9 +135,9 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
-  m.impl("reshape_and_cache", &reshape_and_cache);
-  m.impl("copy_blocks", &copy_blocks);
-  m.impl("swap_blocks", &swap_blocks);
+  m.impl("reshape_and_cache", &reshape_and_cache_op<&reshape_and_cache>);
+  m.impl("copy_blocks", &copy_blocks_op<&copy_blocks>);
+  m.impl("swap_blocks", &swap_blocks_op<&swap_blocks>);
 }
 
 }  // namespace pagedkv

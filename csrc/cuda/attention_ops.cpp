@@ -1,6 +1,7 @@
-// CUDA glue of the attention ops: shared checks, device guard, current stream, split-K plan from
-// host integers and the device's SM count, workspace from the caching allocator, launch. No host
-// sync and no host read of device data, so both ops work under CUDA graph capture.
+// CUDA backend of the attention ops (their checks: csrc/ops/): device guard, current stream,
+// split-K plan from host integers and the device's SM count, workspace from the caching
+// allocator, launch. No host sync and no host read of device data, so both ops work under CUDA
+// graph capture.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -9,9 +10,10 @@
 #include <array>
 #include <atomic>
 
-#include "glue/attention_args.h"
 #include "glue/attention_plan.h"
 #include "kernels/attention_launch.h"
+#include "ops/merge_attn_states.h"
+#include "ops/paged_attention.h"
 
 namespace pagedkv {
 namespace {

@@ -1,10 +1,12 @@
-// Argument checks shared by every backend's glue. Each failure names the op, the argument and
-// what was expected, and happens before anything is written.
+// Argument checks shared by the ops (csrc/ops/), and so by every backend. Each failure names the
+// op, the argument and what was expected, and happens before anything is written.
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdlib>
+#include <limits>
 #include <string>
+#include <unordered_set>
 
 #include "kernels/cache_params.h"
 
@@ -72,6 +74,11 @@ inline CacheStrides strides_of(const at::Tensor& cache, int64_t unit = 1) {
   return {cache.stride(0) * unit, cache.stride(1) * unit, cache.stride(2) * unit};
 }
 
+// The kernels' view of a cache checked by check_cache (strides in elements).
+inline PagedKVView paged_kv_of(const at::Tensor& cache) {
+  return {cache.data_ptr(), strides_of(cache), static_cast<int32_t>(cache.size(2))};
+}
+
 // Index ranges are checked wherever reading the indices costs nothing: CPU tensors always; device
 // tensors only in the opt-in checked mode (PAGEDKV_CHECK_INDICES=1), which synchronizes.
 inline bool index_checks_enabled(const at::Tensor& index) {
@@ -97,6 +104,72 @@ inline const float* scale_ptr(const c10::optional<at::Tensor>& scale, const at::
               scale->sizes());
   check_device(*scale, cache, op, name, "the cache");
   return scale->data_ptr<float>();
+}
+
+// Query, out, partial outputs: [num_tokens, num_heads, head_size] in float32/16, bfloat16.
+inline DType check_rows(const at::Tensor& t, const char* op, const char* name) {
+  check_dim(t, 3, op, name, "[num_tokens, num_heads, head_size]");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf ||
+                  t.scalar_type() == at::kBFloat16,
+              op, ": ", name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.stride(2) == 1 || t.size(2) <= 1, op, ": ", name,
+              " must have a contiguous last (head_size) dim, got strides ", t.strides());
+  return dtype_of(t, op, name);
+}
+
+inline void check_like(const at::Tensor& t, const at::Tensor& ref, const char* op,
+                       const char* name, const char* ref_name) {
+  TORCH_CHECK(t.sizes() == ref.sizes(), op, ": ", name, " must have ", ref_name, "'s shape ",
+              ref.sizes(), ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have ", ref_name,
+              "'s dtype ", ref.scalar_type(), ", got ", t.scalar_type());
+  check_device(t, ref, op, name, ref_name);
+}
+
+// A log-sum-exp tensor: float32 [num_tokens, num_heads], any strides.
+inline void check_lse(const at::Tensor& t, int64_t num_tokens, int64_t num_heads,
+                      const at::Tensor& ref, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == num_tokens && t.size(1) == num_heads, op, ": ", name,
+              " must be [num_tokens, num_heads] = [", num_tokens, ", ", num_heads, "], got ",
+              t.sizes());
+  check_device(t, ref, op, name, "out");
+}
+
+inline int32_t to_int32(int64_t v, const char* op, const char* name) {
+  TORCH_CHECK(v >= 0 && v <= std::numeric_limits<int32_t>::max(), op, ": ", name,
+              " must be in [0, 2^31), got ", v);
+  return static_cast<int32_t>(v);
+}
+
+// A [num_pairs, 2] int64 (src, dst) block mapping. When the indices are readable for free (see
+// index_checks_enabled), ids are checked against the block counts and, since pairs are applied
+// concurrently, a destination may appear once and, within one cache, never as a source.
+inline void check_block_mapping(const at::Tensor& mapping, int64_t src_blocks, int64_t dst_blocks,
+                                bool same_cache, const char* op) {
+  check_index(mapping, at::kLong, op, "block_mapping");
+  TORCH_CHECK(mapping.dim() == 2 && mapping.size(1) == 2, op,
+              ": block_mapping must be [num_pairs, 2] (src, dst), got shape ", mapping.sizes());
+  if (!index_checks_enabled(mapping) || mapping.size(0) == 0) return;
+  const at::Tensor host = mapping.cpu();
+  const int64_t* ids = host.data_ptr<int64_t>();
+  const int64_t num_pairs = host.size(0);
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    TORCH_CHECK(ids[2 * i] >= 0 && ids[2 * i] < src_blocks, op, ": block_mapping[", i,
+                "] has source block ", ids[2 * i], ", expected 0 <= id < ", src_blocks);
+    TORCH_CHECK(ids[2 * i + 1] >= 0 && ids[2 * i + 1] < dst_blocks, op, ": block_mapping[", i,
+                "] has destination block ", ids[2 * i + 1], ", expected 0 <= id < ", dst_blocks);
+  }
+  std::unordered_set<int64_t> sources, destinations;
+  for (int64_t i = 0; i < num_pairs; ++i) sources.insert(ids[2 * i]);
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    const int64_t dst = ids[2 * i + 1];
+    TORCH_CHECK(destinations.insert(dst).second, op, ": block_mapping names destination block ",
+                dst, " twice");
+    TORCH_CHECK(!same_cache || !sources.count(dst), op, ": block_mapping uses block ", dst,
+                " both as a source and as a destination");
+  }
 }
 
 }  // namespace pagedkv

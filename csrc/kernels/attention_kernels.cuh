@@ -162,10 +162,11 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     for (int d = 0; d < kChunkElems; ++d) acc[r][d] = 0.f;
   }
 
-  const C* k_base = static_cast<const C*>(p.key_cache) + kv_head * p.k_strides.head + dim0;
-  const C* v_base = static_cast<const C*>(p.value_cache) + kv_head * p.v_strides.head + dim0;
+  // The caches seen from this kv head and this lane's chunk: rows are then one offset away.
+  const PagedKV<const C> k_cache = p.key_cache.as<const C>().head(kv_head, dim0);
+  const PagedKV<const C> v_cache = p.value_cache.as<const C>().head(kv_head, dim0);
   const int* table = p.block_tables + seq * p.block_table_stride;
-  const FastDiv block_div(p.block_size);
+  const FastDiv block_div(p.key_cache.block_size);
   const bool vec = plan.vectorized;
   constexpr int kStep = kWarps * L::kGroups * U;  // tokens per block iteration
 
@@ -191,9 +192,8 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (phys[u] >= 0) {
-        const int64_t b = phys[u];
-        kc[u] = load_chunk(k_base + b * p.k_strides.block + slot[u] * p.k_strides.token, vec);
-        vc[u] = load_chunk(v_base + b * p.v_strides.block + slot[u] * p.v_strides.token, vec);
+        kc[u] = load_chunk(k_cache.row({phys[u], slot[u]}), vec);
+        vc[u] = load_chunk(v_cache.row({phys[u], slot[u]}), vec);
       } else {
         kc[u] = zero_chunk<C>();
         vc[u] = zero_chunk<C>();

@@ -70,10 +70,11 @@ inline AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int sm_
   const int64_t elem = attention_element_size(p.cache_dtype);
   const int64_t align = std::min<int64_t>(16, 8 * elem);
   auto ok = [&](int64_t stride) { return stride * elem % align == 0; };
-  plan.vectorized = ok(p.k_strides.block) && ok(p.k_strides.head) && ok(p.k_strides.token) &&
-                    ok(p.v_strides.block) && ok(p.v_strides.head) && ok(p.v_strides.token) &&
-                    reinterpret_cast<uintptr_t>(p.key_cache) % align == 0 &&
-                    reinterpret_cast<uintptr_t>(p.value_cache) % align == 0;
+  auto ok_cache = [&](const PagedKVView& c) {
+    return ok(c.strides.block) && ok(c.strides.head) && ok(c.strides.token) &&
+           reinterpret_cast<uintptr_t>(c.data) % align == 0;
+  };
+  plan.vectorized = ok_cache(p.key_cache) && ok_cache(p.value_cache);
   return plan;
 }
 

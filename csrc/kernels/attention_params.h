@@ -1,5 +1,6 @@
 // Plain parameter structs of the attention ops, shared by the CPU kernels, the CUDA kernels and
-// the torch glue (glue/attention_args.h builds and validates them). No torch, no CUDA.
+// the torch glue (csrc/ops/paged_attention.h and merge_attn_states.h build and validate them).
+// No torch, no CUDA.
 //
 // Semantics every backend implements (docs/architecture.md has the op contract):
 // - Sequence i has seq_len L_i keys at positions 0..L_i-1 and q_len Q_i queries at positions
@@ -27,9 +28,8 @@ struct PagedAttentionParams {
   const void* query;               // [num_tokens, num_heads, head_size], dtype
   int64_t out_token_stride, out_head_stride;  // elements; head_size dim contiguous
   int64_t q_token_stride, q_head_stride;
-  const void* key_cache;           // [num_blocks, num_kv_heads, block_size, head_size], k_strides
-  const void* value_cache;         // [num_blocks, num_kv_heads, block_size, head_size], v_strides
-  CacheStrides k_strides, v_strides;  // elements
+  PagedKVView key_cache;           // [num_blocks, num_kv_heads, block_size, head_size], cache_dtype
+  PagedKVView value_cache;         // [num_blocks, num_kv_heads, block_size, head_size], read only
   const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq]
   int64_t block_table_stride;      // elements between rows
   const int32_t* seq_lens;         // [num_seqs]
@@ -40,7 +40,7 @@ struct PagedAttentionParams {
   float* lse_out;                  // [num_tokens, num_heads] float32, or nullptr
   int64_t lse_token_stride, lse_head_stride;
   int64_t num_tokens;
-  int32_t num_seqs, num_heads, num_kv_heads, head_size, block_size;
+  int32_t num_seqs, num_heads, num_kv_heads, head_size;
   int32_t num_blocks, max_blocks_per_seq;
   int32_t max_seq_len, max_query_len;  // upper bounds of seq_lens and of the q_len_i
   int32_t sliding_window;          // > 0, or -1 = off

@@ -17,6 +17,10 @@ bool aligned_to(const void* ptr, int64_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(bytes) == 0;
 }
 
+bool strides_divisible(const CacheStrides& s, int64_t n) {
+  return s.block % n == 0 && s.head % n == 0 && s.token % n == 0;
+}
+
 int threads_for(int64_t work) {
   const int64_t warps = (work + 31) / 32;
   return static_cast<int>(warps > 16 ? 512 : (warps < 1 ? 32 : warps * 32));
@@ -44,8 +48,9 @@ __global__ void reshape_and_cache_kernel(const ReshapeAndCacheParams p) {
   const int64_t token = blockIdx.x;
   const int64_t slot = p.slot_mapping[token];
   if (slot < 0) return;
-  const int64_t block = slot / p.block_size;
-  const int64_t offset = slot % p.block_size;
+  const PagedKV<Cache> k_cache = p.key_cache.as<Cache>();
+  const PagedKV<Cache> v_cache = p.value_cache.as<Cache>();
+  const PagedKVSlot at = k_cache.locate(slot);
   const int vecs_per_head = p.head_size / VEC;
   const int work = p.num_kv_heads * vecs_per_head;
   float k_scale = 1.f, v_scale = 1.f;
@@ -55,17 +60,17 @@ __global__ void reshape_and_cache_kernel(const ReshapeAndCacheParams p) {
   }
   const Src* key = static_cast<const Src*>(p.key) + token * p.key_token_stride;
   const Src* value = static_cast<const Src*>(p.value) + token * p.value_token_stride;
-  Cache* key_cache = static_cast<Cache*>(p.key_cache) + block * p.k_strides.block +
-                     offset * p.k_strides.token;
-  Cache* value_cache = static_cast<Cache*>(p.value_cache) + block * p.v_strides.block +
-                       offset * p.v_strides.token;
+  Cache* key_row = k_cache.row(at);
+  Cache* value_row = v_cache.row(at);
   for (int i = threadIdx.x; i < work; i += blockDim.x) {
     const int head = i / vecs_per_head;
     const int d = (i % vecs_per_head) * VEC;
     const SrcVec k = *reinterpret_cast<const SrcVec*>(key + head * p.key_head_stride + d);
     const SrcVec v = *reinterpret_cast<const SrcVec*>(value + head * p.value_head_stride + d);
-    CacheVec* k_dst = reinterpret_cast<CacheVec*>(key_cache + head * p.k_strides.head + d);
-    CacheVec* v_dst = reinterpret_cast<CacheVec*>(value_cache + head * p.v_strides.head + d);
+    // Strides read from p, not from the typed copies, whose fields would stay in registers.
+    CacheVec* k_dst = reinterpret_cast<CacheVec*>(key_row + head * p.key_cache.strides.head + d);
+    CacheVec* v_dst =
+        reinterpret_cast<CacheVec*>(value_row + head * p.value_cache.strides.head + d);
     if constexpr (is_fp8<Cache>::value) {
       *k_dst = to_cache<Cache>(k, k_scale);
       *v_dst = to_cache<Cache>(v, v_scale);
@@ -82,11 +87,10 @@ cudaError_t reshape_and_cache_typed(const ReshapeAndCacheParams& p, cudaStream_t
   const bool vectorized =
       p.head_size % kVec == 0 && p.key_token_stride % kVec == 0 && p.key_head_stride % kVec == 0 &&
       p.value_token_stride % kVec == 0 && p.value_head_stride % kVec == 0 &&
-      p.k_strides.block % kVec == 0 && p.k_strides.head % kVec == 0 &&
-      p.k_strides.token % kVec == 0 && p.v_strides.block % kVec == 0 &&
-      p.v_strides.head % kVec == 0 && p.v_strides.token % kVec == 0 && aligned_to(p.key, 16) &&
-      aligned_to(p.value, 16) && aligned_to(p.key_cache, kVec * sizeof(Cache)) &&
-      aligned_to(p.value_cache, kVec * sizeof(Cache));
+      strides_divisible(p.key_cache.strides, kVec) &&
+      strides_divisible(p.value_cache.strides, kVec) && aligned_to(p.key, 16) &&
+      aligned_to(p.value, 16) && aligned_to(p.key_cache.data, kVec * sizeof(Cache)) &&
+      aligned_to(p.value_cache.data, kVec * sizeof(Cache));
   const dim3 grid(static_cast<unsigned>(p.num_tokens));
   if (vectorized) {
     auto kernel = reshape_and_cache_kernel<Src, Cache, kVec>;
@@ -128,21 +132,19 @@ __global__ void copy_blocks_kernel(const CopyBlocksParams p) {
   const int64_t dst = p.block_mapping[2 * pair + 1];
   const int chunks_per_row = p.row_bytes / static_cast<int>(sizeof(Chunk));
   const int work = p.num_kv_heads * p.block_size * chunks_per_row;
-  char* key_cache = p.key_caches[layer];
-  char* value_cache = p.value_caches[layer];
-  const CacheStrides ks = p.k_strides_bytes;
-  const CacheStrides vs = p.v_strides_bytes;
+  const PagedKV<char> k_cache = p.key_cache(layer);
+  const PagedKV<char> v_cache = p.value_cache(layer);
   for (int i = threadIdx.x; i < work; i += blockDim.x) {
     const int row = i / chunks_per_row;
     const int64_t byte = static_cast<int64_t>(i % chunks_per_row) * sizeof(Chunk);
     const int head = row / p.block_size;
     const int token = row % p.block_size;
-    const int64_t k_off = head * ks.head + token * ks.token + byte;
-    const int64_t v_off = head * vs.head + token * vs.token + byte;
-    *reinterpret_cast<Chunk*>(key_cache + dst * ks.block + k_off) =
-        *reinterpret_cast<const Chunk*>(key_cache + src * ks.block + k_off);
-    *reinterpret_cast<Chunk*>(value_cache + dst * vs.block + v_off) =
-        *reinterpret_cast<const Chunk*>(value_cache + src * vs.block + v_off);
+    const int64_t k_off = k_cache.in_block(head, token) + byte;
+    const int64_t v_off = v_cache.in_block(head, token) + byte;
+    *reinterpret_cast<Chunk*>(k_cache.block(dst) + k_off) =
+        *reinterpret_cast<const Chunk*>(k_cache.block(src) + k_off);
+    *reinterpret_cast<Chunk*>(v_cache.block(dst) + v_off) =
+        *reinterpret_cast<const Chunk*>(v_cache.block(src) + v_off);
   }
 }
 

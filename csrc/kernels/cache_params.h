@@ -3,46 +3,47 @@
 #pragma once
 #include <stdint.h>
 
+#include "kernels/paged_kv.h"
+
 namespace pagedkv {
 
 enum class DType : int32_t { kFloat32, kFloat16, kBFloat16, kFp8E4M3, kFp8E5M2 };
-
-// Strides of one per-layer cache [num_blocks, num_kv_heads, block_size, head_size]; the head_size
-// dim is contiguous. Units are elements unless a field says bytes.
-struct CacheStrides {
-  int64_t block;
-  int64_t head;
-  int64_t token;
-};
 
 struct ReshapeAndCacheParams {
   const void* key;          // [num_tokens, num_kv_heads, head_size]
   const void* value;        // [num_tokens, num_kv_heads, head_size]
   int64_t key_token_stride, key_head_stride;
   int64_t value_token_stride, value_head_stride;
-  void* key_cache;          // [num_blocks, num_kv_heads, block_size, head_size], k_strides
-  void* value_cache;        // [num_blocks, num_kv_heads, block_size, head_size], v_strides
-  CacheStrides k_strides, v_strides;
+  PagedKVView key_cache;    // [num_blocks, num_kv_heads, block_size, head_size], cache_dtype
+  PagedKVView value_cache;  // [num_blocks, num_kv_heads, block_size, head_size], cache_dtype
   const int64_t* slot_mapping;  // [num_tokens]; block_id * block_size + offset, < 0 = padding
   const float* k_scale;     // [1], fp8 caches only (else nullptr): cache = sat(key / k_scale)
   const float* v_scale;     // [1], fp8 caches only
   int64_t num_tokens;
-  int32_t num_kv_heads, head_size, block_size;
+  int32_t num_kv_heads, head_size;
   DType src_dtype, cache_dtype;
 };
 
-// copy_blocks moves bytes, so its view of a cache is dtype-free: strides in bytes.
+// copy_blocks moves bytes, so its view of a cache is dtype-free: each layer's cache is a
+// PagedKV<char> of its pointer, the byte strides and block_size.
 constexpr int kMaxLayersPerLaunch = 128;
 
 struct CopyBlocksParams {
   char* key_caches[kMaxLayersPerLaunch];    // per layer [num_blocks, num_kv_heads, block_size, head_size]
   char* value_caches[kMaxLayersPerLaunch];
-  CacheStrides k_strides_bytes, v_strides_bytes;
+  CacheStrides k_strides_bytes, v_strides_bytes;  // of every layer
   const int64_t* block_mapping;  // [num_pairs, 2] (src, dst), on the caches' device
   int64_t num_pairs;
   int32_t num_layers;            // <= kMaxLayersPerLaunch; the glue launches once per chunk
   int32_t num_kv_heads, block_size;
   int32_t row_bytes;             // head_size * element size
+
+  PAGEDKV_HOST_DEVICE PagedKV<char> key_cache(int32_t layer) const {
+    return {key_caches[layer], k_strides_bytes, block_size};
+  }
+  PAGEDKV_HOST_DEVICE PagedKV<char> value_cache(int32_t layer) const {
+    return {value_caches[layer], v_strides_bytes, block_size};
+  }
 };
 
 // swap_blocks copies whole blocks; both caches must hold each block densely with the same

@@ -6,9 +6,10 @@
 
 #include <cstdlib>
 
-#include "glue/attention_args.h"
 #include "glue/attention_plan.h"
 #include "kernels/attention_launch.h"
+#include "ops/merge_attn_states.h"
+#include "ops/paged_attention.h"
 
 namespace pagedkv {
 namespace {

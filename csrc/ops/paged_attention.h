@@ -1,52 +1,24 @@
-// Validated kernel parameters of the attention ops, built from tensors. Every backend's glue
-// calls these, so cpu, cuda and simt accept and reject exactly the same inputs, before anything
-// is written.
+// paged_attention: its schema, its kernel parameters from tensors (the checks every backend
+// shares, so cpu, cuda and simt accept and reject exactly the same inputs before anything is
+// written) and the op every backend registers, paged_attention_op<Run>.
 #pragma once
 #include <ATen/ATen.h>
 
-#include <limits>
+#include <algorithm>
+#include <cmath>
 
 #include "glue/tensor_checks.h"
 #include "kernels/attention_params.h"
 
 namespace pagedkv {
 
-// Query, out, partial outputs: [num_tokens, num_heads, head_size] in float32/16, bfloat16.
-inline DType check_rows(const at::Tensor& t, const char* op, const char* name) {
-  check_dim(t, 3, op, name, "[num_tokens, num_heads, head_size]");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf ||
-                  t.scalar_type() == at::kBFloat16,
-              op, ": ", name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.stride(2) == 1 || t.size(2) <= 1, op, ": ", name,
-              " must have a contiguous last (head_size) dim, got strides ", t.strides());
-  return dtype_of(t, op, name);
-}
-
-inline void check_like(const at::Tensor& t, const at::Tensor& ref, const char* op,
-                       const char* name, const char* ref_name) {
-  TORCH_CHECK(t.sizes() == ref.sizes(), op, ": ", name, " must have ", ref_name, "'s shape ",
-              ref.sizes(), ", got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have ", ref_name,
-              "'s dtype ", ref.scalar_type(), ", got ", t.scalar_type());
-  check_device(t, ref, op, name, ref_name);
-}
-
-// A log-sum-exp tensor: float32 [num_tokens, num_heads], any strides.
-inline void check_lse(const at::Tensor& t, int64_t num_tokens, int64_t num_heads,
-                      const at::Tensor& ref, const char* op, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == num_tokens && t.size(1) == num_heads, op, ": ", name,
-              " must be [num_tokens, num_heads] = [", num_tokens, ", ", num_heads, "], got ",
-              t.sizes());
-  check_device(t, ref, op, name, "out");
-}
-
-inline int32_t to_int32(int64_t v, const char* op, const char* name) {
-  TORCH_CHECK(v >= 0 && v <= std::numeric_limits<int32_t>::max(), op, ": ", name,
-              " must be in [0, 2^31), got ", v);
-  return static_cast<int32_t>(v);
-}
+// Attention of each query token over its sequence's paged K/V: decode, or varlen causal queries
+// with query_start_loc.
+inline constexpr char kPagedAttentionSchema[] =
+    "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+    "Tensor block_tables, Tensor seq_lens, Tensor? query_start_loc, int max_seq_len, "
+    "int max_query_len, float scale, Tensor? alibi_slopes, int sliding_window, float soft_cap, "
+    "Tensor? k_scale, Tensor? v_scale, Tensor(b!)? lse_out) -> ()";
 
 // Index contents (lengths, query_start_loc, block ids), checked when readable for free.
 inline void check_attention_indices(const PagedAttentionParams& p, const at::Tensor& block_tables,
@@ -64,6 +36,7 @@ inline void check_attention_indices(const PagedAttentionParams& p, const at::Ten
     TORCH_CHECK(qsl[p.num_seqs] == p.num_tokens, op, ": query_start_loc[-1] must be num_tokens = ",
                 p.num_tokens, ", got ", qsl[p.num_seqs]);
   }
+  const int64_t block_size = p.key_cache.block_size;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     TORCH_CHECK(L[s] >= 0 && L[s] <= p.max_seq_len, op, ": seq_lens[", s, "] = ", L[s],
                 " is outside [0, max_seq_len = ", p.max_seq_len, "]");
@@ -78,14 +51,14 @@ inline void check_attention_indices(const PagedAttentionParams& p, const at::Ten
                   " query tokens, more than max_query_len = ", p.max_query_len);
     }
     if (L[s] == 0 || q_len == 0) continue;
-    const int64_t num_blocks_needed = (L[s] + p.block_size - 1) / p.block_size;
+    const int64_t num_blocks_needed = (L[s] + block_size - 1) / block_size;
     TORCH_CHECK(num_blocks_needed <= p.max_blocks_per_seq, op, ": seq_lens[", s, "] = ", L[s],
                 " needs ", num_blocks_needed, " blocks, block_tables has ", p.max_blocks_per_seq,
                 " per sequence");
     int64_t first_key = 0;
     if (p.sliding_window > 0) first_key = std::max<int64_t>(0, L[s] - q_len - p.sliding_window + 1);
     const int32_t* row = table.data_ptr<int32_t>() + s * p.block_table_stride;
-    for (int64_t b = first_key / p.block_size; b < num_blocks_needed; ++b) {
+    for (int64_t b = first_key / block_size; b < num_blocks_needed; ++b) {
       TORCH_CHECK(row[b] >= 0 && row[b] < p.num_blocks, op, ": block_tables[", s, ", ", b,
                   "] = ", row[b], " is out of range for a cache of ", p.num_blocks, " blocks");
     }
@@ -168,10 +141,8 @@ inline PagedAttentionParams paged_attention_params(
   p.out_head_stride = out.stride(1);
   p.q_token_stride = query.stride(0);
   p.q_head_stride = query.stride(1);
-  p.key_cache = key_cache.data_ptr();
-  p.value_cache = value_cache.data_ptr();
-  p.k_strides = strides_of(key_cache);
-  p.v_strides = strides_of(value_cache);
+  p.key_cache = paged_kv_of(key_cache);
+  p.value_cache = paged_kv_of(value_cache);
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.block_table_stride = block_tables.stride(0);
   p.seq_lens = seq_lens.data_ptr<int32_t>();
@@ -187,7 +158,6 @@ inline PagedAttentionParams paged_attention_params(
   p.num_heads = to_int32(num_heads, op, "num_heads");
   p.num_kv_heads = to_int32(num_kv_heads, op, "num_kv_heads");
   p.head_size = static_cast<int32_t>(head_size);
-  p.block_size = static_cast<int32_t>(block_size);
   p.num_blocks = to_int32(key_cache.size(0), op, "num_blocks");
   p.max_blocks_per_seq = to_int32(block_tables.size(1), op, "max_blocks_per_seq");
   p.max_seq_len = to_int32(max_seq_len, op, "max_seq_len");
@@ -201,56 +171,11 @@ inline PagedAttentionParams paged_attention_params(
   return p;
 }
 
-inline MergeAttnParams merge_attn_states_params(const at::Tensor& out,
-                                                const c10::optional<at::Tensor>& out_lse,
-                                                const at::Tensor& prefix_out,
-                                                const at::Tensor& prefix_lse,
-                                                const at::Tensor& suffix_out,
-                                                const at::Tensor& suffix_lse) {
-  constexpr const char* op = "merge_attn_states";
-  const DType dtype = check_rows(out, op, "out");
-  check_rows(prefix_out, op, "prefix_out");
-  check_rows(suffix_out, op, "suffix_out");
-  check_like(prefix_out, out, op, "prefix_out", "out");
-  check_like(suffix_out, out, op, "suffix_out", "out");
-  const int64_t num_tokens = out.size(0), num_heads = out.size(1);
-  check_lse(prefix_lse, num_tokens, num_heads, out, op, "prefix_lse");
-  check_lse(suffix_lse, num_tokens, num_heads, out, op, "suffix_lse");
-  if (out_lse) check_lse(*out_lse, num_tokens, num_heads, out, op, "out_lse");
-  const int64_t head_size = out.size(2);
-  TORCH_CHECK(head_size >= 8 && head_size <= kMaxAttentionHeadSize && head_size % 8 == 0, op,
-              ": head_size must be a multiple of 8 in [8, ", kMaxAttentionHeadSize, "], got ",
-              head_size);
-  MergeAttnParams p{};
-  p.out = out.data_ptr();
-  p.out_lse = out_lse ? out_lse->data_ptr<float>() : nullptr;
-  p.prefix_out = prefix_out.data_ptr();
-  p.prefix_lse = prefix_lse.data_ptr<float>();
-  p.suffix_out = suffix_out.data_ptr();
-  p.suffix_lse = suffix_lse.data_ptr<float>();
-  p.out_token_stride = out.stride(0);
-  p.out_head_stride = out.stride(1);
-  p.prefix_token_stride = prefix_out.stride(0);
-  p.prefix_head_stride = prefix_out.stride(1);
-  p.suffix_token_stride = suffix_out.stride(0);
-  p.suffix_head_stride = suffix_out.stride(1);
-  p.out_lse_token_stride = out_lse ? out_lse->stride(0) : 0;
-  p.out_lse_head_stride = out_lse ? out_lse->stride(1) : 0;
-  p.prefix_lse_token_stride = prefix_lse.stride(0);
-  p.prefix_lse_head_stride = prefix_lse.stride(1);
-  p.suffix_lse_token_stride = suffix_lse.stride(0);
-  p.suffix_lse_head_stride = suffix_lse.stride(1);
-  p.num_tokens = num_tokens;
-  p.num_heads = to_int32(num_heads, op, "num_heads");
-  p.head_size = to_int32(out.size(2), op, "head_size");
-  p.dtype = dtype;
-  return p;
-}
+// The backend's part: Run(params, query) after the checks; query places the work (device).
+using PagedAttentionRun = void (*)(const PagedAttentionParams&, const at::Tensor& query);
 
-// The ops as registered by every backend, with the schemas' signatures (csrc/schemas.h): the
-// inputs are validated into params here, then Run(params, query) (or Run(params, out)) does the
-// backend's part. Each backend registers paged_attention_op<its_run>.
-template <void (*Run)(const PagedAttentionParams&, const at::Tensor& query)>
+// The op with the schema's signature; each backend registers paged_attention_op<its_run>.
+template <PagedAttentionRun Run>
 void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                         const at::Tensor& value_cache, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens,
@@ -264,14 +189,6 @@ void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tens
                              query_start_loc, max_seq_len, max_query_len, scale, alibi_slopes,
                              sliding_window, soft_cap, k_scale, v_scale, lse_out),
       query);
-}
-
-template <void (*Run)(const MergeAttnParams&, const at::Tensor& out)>
-void merge_attn_states_op(at::Tensor& out, const c10::optional<at::Tensor>& out_lse,
-                          const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
-                          const at::Tensor& suffix_out, const at::Tensor& suffix_lse) {
-  Run(merge_attn_states_params(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse),
-      out);
 }
 
 }  // namespace pagedkv

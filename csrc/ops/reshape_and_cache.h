@@ -1,0 +1,95 @@
+// reshape_and_cache: its schema, its kernel parameters from tensors (the checks every backend
+// shares, so cpu, cuda and simt accept and reject exactly the same inputs before anything is
+// written) and the op every backend registers, reshape_and_cache_op<Run>.
+#pragma once
+#include <ATen/ATen.h>
+
+#include "glue/tensor_checks.h"
+#include "kernels/cache_params.h"
+
+namespace pagedkv {
+
+// Write new tokens' K/V into their cache slots (slot = block_id * block_size + offset; a negative
+// slot is padding). fp8 caches quantize with the per-tensor scales.
+inline constexpr char kReshapeAndCacheSchema[] =
+    "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()";
+
+inline ReshapeAndCacheParams reshape_and_cache_params(
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+  constexpr const char* op = "reshape_and_cache";
+  check_cache_pair(key_cache, value_cache, op);
+  check_dim(key, 3, op, "key", "[num_tokens, num_kv_heads, head_size]");
+  TORCH_CHECK(key.sizes() == value.sizes(), op, ": value must have key's shape ", key.sizes(),
+              ", got ", value.sizes());
+  const int64_t num_tokens = key.size(0);
+  TORCH_CHECK(key.size(1) == key_cache.size(1) && key.size(2) == key_cache.size(3), op,
+              ": key must be [num_tokens, ", key_cache.size(1), ", ", key_cache.size(3),
+              "] to match key_cache, got ", key.sizes());
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, op,
+              ": key and value must have a contiguous last dim, got strides ", key.strides(),
+              " and ", value.strides());
+  const DType src = dtype_of(key, op, "key");
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), op, ": value must have key's dtype ",
+              key.scalar_type(), ", got ", value.scalar_type());
+  if (is_fp8(key_cache.scalar_type())) {
+    TORCH_CHECK(!is_fp8(key.scalar_type()), op,
+                ": key must be float32, float16 or bfloat16 for an fp8 cache, got ",
+                key.scalar_type());
+  } else {
+    TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), op,
+                ": key must have the cache dtype ", key_cache.scalar_type(), ", got ",
+                key.scalar_type());
+  }
+  check_device(key, key_cache, op, "key", "key_cache");
+  check_device(value, key_cache, op, "value", "key_cache");
+  check_device(slot_mapping, key_cache, op, "slot_mapping", "key_cache");
+  check_index(slot_mapping, at::kLong, op, "slot_mapping");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens, op,
+              ": slot_mapping must be [num_tokens] = [", num_tokens, "], got ",
+              slot_mapping.sizes());
+  const float* k_scale_ptr = scale_ptr(k_scale, key_cache, op, "k_scale");
+  const float* v_scale_ptr = scale_ptr(v_scale, key_cache, op, "v_scale");
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(2);
+  if (index_checks_enabled(slot_mapping) && num_tokens > 0) {
+    const int64_t max_slot = slot_mapping.max().item<int64_t>();
+    TORCH_CHECK(max_slot < num_slots, op, ": slot_mapping holds slot ", max_slot,
+                ", out of range for a cache of ", key_cache.size(0), " blocks of ",
+                key_cache.size(2), " tokens (", num_slots, " slots)");
+  }
+  ReshapeAndCacheParams p{};
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.key_token_stride = key.stride(0);
+  p.key_head_stride = key.stride(1);
+  p.value_token_stride = value.stride(0);
+  p.value_head_stride = value.stride(1);
+  p.key_cache = paged_kv_of(key_cache);
+  p.value_cache = paged_kv_of(value_cache);
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.k_scale = k_scale_ptr;
+  p.v_scale = v_scale_ptr;
+  p.num_tokens = num_tokens;
+  p.num_kv_heads = static_cast<int32_t>(key_cache.size(1));
+  p.head_size = static_cast<int32_t>(key_cache.size(3));
+  p.src_dtype = src;
+  p.cache_dtype = dtype_of(key_cache, op, "key_cache");
+  return p;
+}
+
+// The backend's part: Run(params, key_cache) after the checks; key_cache places the work.
+using ReshapeAndCacheRun = void (*)(const ReshapeAndCacheParams&, const at::Tensor& key_cache);
+
+// The op with the schema's signature; each backend registers reshape_and_cache_op<its_run>.
+template <ReshapeAndCacheRun Run>
+void reshape_and_cache_op(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                          at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                          const c10::optional<at::Tensor>& k_scale,
+                          const c10::optional<at::Tensor>& v_scale) {
+  Run(reshape_and_cache_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale),
+      key_cache);
+}
+
+}  // namespace pagedkv
