@@ -13,6 +13,7 @@ the ranks, so each holds as many blocks as one rank would), and rank 0 prints th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -135,6 +136,7 @@ def run_demo(
         "paged": paged,
         "contiguous": contiguous,
         "outputs_match": paged_out == contiguous_out,
+        "outputs_sha256": hashlib.sha256(json.dumps(paged_out).encode()).hexdigest(),
         "outputs": paged_out,
     }
 
@@ -172,7 +174,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{label:26}{''.join(cells)}")
     lines.append("KV memory waste: share of the allocated KV slots that held no token, "
                  "averaged over engine steps")
-    lines.append(f"same greedy tokens in both runs: {report['outputs_match']}")
+    lines.append(f"same greedy tokens in both runs: {report['outputs_match']} "
+                 f"(sha256 of the tokens: {report['outputs_sha256'][:16]})")
     return "\n".join(lines)
 
 
