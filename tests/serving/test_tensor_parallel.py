@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedkv.serving.linear import onednn_dtypes
 from pagedkv.serving.model import LlamaForCausalLM, ModelConfig, shard_state_dict
 from pagedkv.serving.parallel import (
     TensorParallel,
@@ -31,6 +32,7 @@ from pagedkv.tools.demo import make_requests, random_model
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE, NUM_BLOCKS = 4, 24
 KV_HEADS = (2, 1)  # split over the 2 ranks; replicated on both
+PACKED = torch.float32 in onednn_dtypes()  # the replicated run packs each rank's slices
 
 
 def tiny_config(kv_heads: int) -> ModelConfig:
@@ -41,6 +43,8 @@ def tiny_config(kv_heads: int) -> ModelConfig:
 
 def serve(model: LlamaForCausalLM, config: EngineConfig) -> dict:
     """Greedy outputs of a prefix-sharing workload that preempts under NUM_BLOCKS blocks."""
+    if model.config.num_key_value_heads == 1 and PACKED:
+        model.prepack()
     requests = make_requests(10, 12, model.config.vocab_size, 10, 12, seed=1)
     engine = LLMEngine(model, config)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in requests]
@@ -49,7 +53,9 @@ def serve(model: LlamaForCausalLM, config: EngineConfig) -> dict:
     return {"outputs": outputs, "num_blocks": engine.cache.num_blocks,
             "kv_heads": engine.cache.spec.num_kv_heads,
             "prefix_hit_rate": engine.prefix_hit_rate, "swaps_out": stats.swaps_out,
-            "recomputes": stats.recomputes, "steps": stats.steps}
+            "recomputes": stats.recomputes, "steps": stats.steps,
+            "packed": model.packed_dtype is not None,
+            "q_rows": model.model.layers[0].self_attn.q_proj.weight.shape[0]}
 
 
 def engine_config(**kwargs) -> EngineConfig:
@@ -132,6 +138,7 @@ def test_two_ranks_generate_the_tokens_of_one(tmp_path):
             assert got["num_blocks"] == NUM_BLOCKS  # the smaller budget of the two
             assert got["kv_heads"] == kv_heads_per_rank(kv_heads, 2)
             assert got["outputs"] == one["outputs"]
+            assert got["q_rows"] * 2 == one["q_rows"] and got["packed"] == one["packed"]
             for key in ("prefix_hit_rate", "swaps_out", "recomputes", "steps"):
                 assert got[key] == one[key], key
 
