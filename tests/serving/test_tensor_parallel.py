@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import pagedkv
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedkv.serving.linear import onednn_dtypes
@@ -29,7 +30,7 @@ from pagedkv.serving.parallel import (
 )
 from pagedkv.tools.demo import make_requests, random_model
 
-ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_PARENT = Path(pagedkv.__file__).resolve().parents[1]  # the pagedkv this test imports
 BLOCK_SIZE, NUM_BLOCKS = 4, 24
 KV_HEADS = (2, 1)  # split over the 2 ranks; replicated on both
 PACKED = torch.float32 in onednn_dtypes()  # the replicated run packs each rank's slices
@@ -110,7 +111,9 @@ def launch(tmp_path: Path, scenario: str, timeout_s: float) -> list[subprocess.P
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TP_TIMEOUT=str(timeout_s),
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"),
+                   OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(PACKAGE_PARENT),
+                                               os.environ.get("PYTHONPATH", "")]),
                    CUDA_VISIBLE_DEVICES="")
         procs.append(subprocess.Popen(
             [sys.executable, __file__, scenario, str(tmp_path / f"rank{rank}.json")], env=env,

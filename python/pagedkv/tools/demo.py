@@ -239,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        tp = init_tensor_parallel(args.tp, args.tp_timeout)
-        device = tp.device if tp.device.type == "cuda" else args.device
+        on_gpu = torch.device(args.device).type == "cuda"
+        tp = init_tensor_parallel(args.tp, args.tp_timeout, "nccl" if on_gpu else "gloo")
+        device = tp.device if on_gpu else args.device
         report = run_demo(args.requests, args.system_prompt_len, args.max_prompt,
                           args.max_tokens, args.max_model_len, args.kv_budget_requests,
                           args.block_size, device, getattr(torch, args.dtype), args.seed, tp)
