@@ -215,7 +215,8 @@ class ServingLoop:
 class LLMEngine(ServingLoop):
     """Generates for many requests at once with ``model`` over a paged KV cache.
 
-    ``config.kv_cache_bytes`` is the KV memory of each tensor-parallel rank.
+    ``config.kv_cache_bytes`` is the KV memory of each tensor-parallel rank; every rank takes the
+    smallest rank's block count, and must be given the same requests in the same order.
 
     Example
     -------
@@ -228,8 +229,9 @@ class LLMEngine(ServingLoop):
         param = next(model.parameters())
         spec = model.kv_cache_spec(config.block_size, param.dtype, config.cache_dtype)
         num_blocks = config.num_blocks
-        if config.kv_cache_bytes is not None:  # per rank; the smallest rank's count for all
-            num_blocks = model.tp.min_int(spec.num_blocks_for(config.kv_cache_bytes))
+        if config.kv_cache_bytes is not None:  # per rank
+            num_blocks = spec.num_blocks_for(config.kv_cache_bytes)
+        num_blocks = model.tp.min_int(num_blocks)  # the smallest rank's count, on every rank
         if num_blocks < 1 + config.reserve_null_block:
             raise InvalidArgumentError(f"a KV budget of {num_blocks} block(s) of "
                                        f"{spec.bytes_per_block} bytes holds no request")
