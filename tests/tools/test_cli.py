@@ -12,6 +12,8 @@ import pytest
 
 from pagedkv import ops
 from pagedkv.tools import cli
+from pagedkv.tools.costmodel import RooflineModel, get_device
+from pagedkv.tools.presets import get_model
 
 from helpers import expected_cpu_kernel
 
@@ -77,6 +79,31 @@ def test_size_flags_match_preset_and_fp8(capsys):
     fp8 = run_json(capsys, "size", "--model", "qwen2.5-7b", "--cache-dtype", "fp8")
     assert fp8["bytes_per_token"] == preset["bytes_per_token"] // 2
     assert len(run_json(capsys, "size", "--list-models")["models"]) >= 5
+
+
+def test_size_and_simulate_per_tensor_parallel_rank(capsys):
+    one = run_json(capsys, "size", "--model", "llama-3-70b", "--memory", "40GiB")
+    two = run_json(capsys, "size", "--model", "llama-3-70b", "--memory", "40GiB", "--tp", "2")
+    assert (two["num_kv_heads"], two["tp"]) == (4, 2)
+    assert two["bytes_per_token"] * 2 == one["bytes_per_token"]
+    assert two["blocks_fit"] == 2 * one["blocks_fit"]
+    sixteen = run_json(capsys, "size", "--model", "llama-3-70b", "--tp", "16")
+    assert sixteen["num_kv_heads"] == 1  # 8 KV heads over 16 ranks: one replicated head each
+    flags = run_json(capsys, "size", "--layers", "2", "--kv-heads", "2", "--head-size", "8",
+                     "--tp", "4")
+    assert flags["num_kv_heads"] == 1
+    sim = ["simulate", "--requests", "20", "--model", "llama-3-70b", "--device", "h100",
+           "--max-len", "1024", "--no-progress", "--strategies", "paged"]
+    code, out, _ = run(capsys, *sim, "--tp", "2")
+    per_device = get_model("llama-3-70b").spec(16, tp=2).bytes_per_block
+    assert code == 0 and "tp 2:" in out and "blocks on each device" in out
+    budget = int(out.split("budget")[1].split("blocks")[0].replace(",", ""))
+    roofline = RooflineModel(get_model("llama-3-70b"), get_device("h100"), tp=2)
+    assert budget == (roofline.kv_cache_bytes() // 2) // per_device
+    code, _, err = run(capsys, *sim)
+    assert code == 2 and "do not fit" in err  # one H100 does not hold the weights
+    code, _, err = run(capsys, *sim, "--tp", "2", "--calibrate", __file__)
+    assert code == 2 and "argument --tp" in err
 
 
 def test_size_errors(capsys):
@@ -206,6 +233,7 @@ BAD_VALUES = {
         "--seq-len": ["0", "-5", "x"], "--batch": ["0", "-5", "x", "2.0"],
         "--dtype": ["int8", "0"], "--cache-dtype": ["int3", "-5"],
         "--block-size": ["0", "-5", "x"], "--memory": ["0", "-5", "lots", "0GiB"],
+        "--tp": ["0", "-5", "x", "3", "64"],
     },
     "simulate": {
         "--trace": ["nope", MISSING], "--requests": ["0", "-5", "x", "1.5"],
@@ -220,7 +248,7 @@ BAD_VALUES = {
         "--rates": ["0", "-1,2", "x", "4,2", "1,1", ",", "inf"],
         "--latency-target": ["0", "-5", "x", "inf"],
         "--strategies": ["buddy", "", "paged,paged", "paged,x"],
-        "--plot": [MISSING, "/"],
+        "--plot": [MISSING, "/"], "--tp": ["0", "-5", "x", "3", "64"],
     },
     "demo": {
         "--requests": ["0", "-5", "x"], "--system-prompt-len": ["-5", "x"],
@@ -228,6 +256,7 @@ BAD_VALUES = {
         "--max-model-len": ["0", "-5", "x", "10"], "--kv-budget-requests": ["0", "-5", "x"],
         "--block-size": ["0", "-5", "x"], "--device": ["tpu", "x", "cuda:x"],
         "--dtype": ["int8"], "--seed": ["-5", "x"], "--threads": ["0", "-5", "x"],
+        "--tp": ["0", "-5", "x", "3", "2"], "--tp-timeout": ["0", "-5", "x", "inf"],
     },
 }
 

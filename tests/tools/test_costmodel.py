@@ -191,6 +191,28 @@ def test_tensor_parallel_splits_the_work_and_sizes_the_cache():
     assert small.kv_cache_bytes(0.5) < small.kv_cache_bytes(0.9) < h100.memory_bytes
 
 
+def test_tensor_parallel_prices_the_all_reduces_and_replicated_kv_heads():
+    llama = get_model("Llama-3-70B")
+    h200 = get_device("H200")
+    shape = StepShape.of([1024] * 8, [1] * 8)
+    assert roofline("Llama-3-70B", "H200").breakdown(shape)["allreduce_s"] == 0
+    for tp in (2, 4, 8):
+        parts = roofline("Llama-3-70B", "H200", tp=tp).breakdown(shape)
+        ring = 2 * (tp - 1) / tp * 8 * llama.hidden_size * 2  # 8 tokens of bf16 hidden states
+        expected = 2 * llama.num_layers * ring / (h200.nvlink_bandwidth
+                                                  * h200.bandwidth_efficiency)
+        assert parts["allreduce_s"] == pytest.approx(expected)
+        assert parts["total_s"] == pytest.approx(
+            max(parts["weights_s"] + parts["kv_s"], parts["compute_s"]) + parts["swap_s"]
+            + parts["allreduce_s"] + parts["overhead_s"])
+    # 8 KV heads over 16 devices: each holds (and reads) one, as over 8: KV time does not halve
+    sixteen, eight = roofline("Llama-3-70B", "H200", tp=16), roofline("Llama-3-70B", "H200", tp=8)
+    assert sixteen.rank_spec.num_kv_heads == eight.rank_spec.num_kv_heads == 1
+    assert sixteen.breakdown(shape)["kv_s"] == pytest.approx(eight.breakdown(shape)["kv_s"])
+    with pytest.raises(ValueError, match="one must divide the other"):
+        roofline("Llama-3-70B", "H200", tp=3)
+
+
 def test_mixture_reads_only_the_experts_its_tokens_use():
     mixtral = roofline("Mixtral-8x7B", "H100", tp=2)
     weights = get_model("Mixtral-8x7B").weight_bytes()

@@ -12,6 +12,11 @@ any of it), so one client's token ids cannot stop the others. A step that raises
 kernel, say) keeps its scheduled batch in flight: the next ``step()`` applies the rest of the
 cache plan and runs the same batch, so nothing is lost or generated twice. Like the block manager,
 the loop is driven by one thread.
+
+Under tensor parallelism every rank runs its own ``LLMEngine`` over its shard of the model and
+its own cache: the same scheduler on the same requests decides the same steps on every rank
+(the KV budget is the smallest rank's), and rank 0's sampled tokens are broadcast so that every
+replica appends the same tokens (``pagedkv.serving.parallel``).
 """
 
 from __future__ import annotations
@@ -210,6 +215,9 @@ class ServingLoop:
 class LLMEngine(ServingLoop):
     """Generates for many requests at once with ``model`` over a paged KV cache.
 
+    ``config.kv_cache_bytes`` is the KV memory of each tensor-parallel rank; every rank takes the
+    smallest rank's block count, and must be given the same requests in the same order.
+
     Example
     -------
     >>> engine = LLMEngine(LlamaForCausalLM.from_hf(hf_model), EngineConfig(num_blocks=128))
@@ -219,10 +227,11 @@ class LLMEngine(ServingLoop):
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         param = next(model.parameters())
-        spec = model.config.kv_cache_spec(config.block_size, param.dtype, config.cache_dtype)
+        spec = model.kv_cache_spec(config.block_size, param.dtype, config.cache_dtype)
         num_blocks = config.num_blocks
-        if config.kv_cache_bytes is not None:
+        if config.kv_cache_bytes is not None:  # per rank
             num_blocks = spec.num_blocks_for(config.kv_cache_bytes)
+        num_blocks = model.tp.min_int(num_blocks)  # the smallest rank's count, on every rank
         if num_blocks < 1 + config.reserve_null_block:
             raise InvalidArgumentError(f"a KV budget of {num_blocks} block(s) of "
                                        f"{spec.bytes_per_block} bytes holds no request")
@@ -231,6 +240,7 @@ class LLMEngine(ServingLoop):
         super().__init__(config, model.config.vocab_size, model.config.max_position_embeddings,
                          model.config.eos_token_id)
         self.model = model.eval()
+        self.tp = model.tp
         self.device = param.device
         self.cache = PagedKVCache(spec, num_blocks, self.device)
         self.cpu_cache = (cpu_cache_for(self.cache, config.num_cpu_blocks)
@@ -255,7 +265,7 @@ class LLMEngine(ServingLoop):
             logits = self.model(torch.tensor(input_ids, device=self.device),
                                 torch.tensor(positions, device=self.device), self.cache, batch,
                                 batch.query_start_loc[1:].long() - 1)
-        next_tokens = self._sample(logits, requests)
+        next_tokens = self.tp.broadcast_ints(self._sample(logits, requests))
         return next_tokens, time.perf_counter() - start
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:

@@ -7,6 +7,10 @@ of a batch one after another, ``[num_tokens]``, with their positions. Each layer
 tokens' K/V with ``reshape_and_cache`` and attends with ``paged_attention`` over the blocks of the
 ``BlockManager`` batch (varlen causal when a sequence has several query tokens, decode otherwise).
 ``transformers`` is not needed to use it.
+
+With a ``TensorParallel`` of several ranks, each rank's model holds its share of the heads and of
+the MLP (``pagedkv.serving.parallel``): ``load_hf_state_dict`` takes the full state dict and keeps
+this rank's slices, before any prepacking; o_proj and down_proj outputs are all-reduced.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from pagedkv.blocks.batch import BatchTensors
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.serving.linear import LinearGroup, pack_groups
+from pagedkv.serving.parallel import TensorParallel, kv_heads_per_rank, shard_range
 
-__all__ = ["LlamaForCausalLM", "ModelConfig"]
+__all__ = ["LlamaForCausalLM", "ModelConfig", "shard_state_dict"]
 
 
 @dataclass(slots=True)
@@ -79,10 +84,62 @@ class ModelConfig:
         )
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype = torch.float32,
-                      cache_dtype: torch.dtype | None = None) -> KVCacheSpec:
-        """The spec of this model's KV cache."""
-        return KVCacheSpec(self.num_hidden_layers, self.num_key_value_heads, self.head_dim,
+                      cache_dtype: torch.dtype | None = None, tp_size: int = 1) -> KVCacheSpec:
+        """The spec of this model's KV cache (of one rank's heads among ``tp_size``)."""
+        return KVCacheSpec(self.num_hidden_layers,
+                           kv_heads_per_rank(self.num_key_value_heads, tp_size), self.head_dim,
                            block_size, dtype, cache_dtype)
+
+    def check_tp(self, tp_size: int) -> None:
+        """Raises InvalidArgumentError unless the model splits over ``tp_size`` ranks."""
+        tp = TensorParallel(0, tp_size)
+        shard_range(self.num_attention_heads, tp, "the attention heads")
+        shard_range(self.intermediate_size, tp, "intermediate_size")
+        kv_heads_per_rank(self.num_key_value_heads, tp_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One rank's slices: query heads, KV heads, MLP columns ([start, end) each)."""
+
+    heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    inter: tuple[int, int]
+    first: bool
+
+    @classmethod
+    def of(cls, config: ModelConfig, tp: TensorParallel) -> Shard:
+        config.check_tp(tp.size)
+        per_rank = kv_heads_per_rank(config.num_key_value_heads, tp.size)
+        kv_start = tp.rank * config.num_key_value_heads // tp.size
+        return cls(shard_range(config.num_attention_heads, tp, "the attention heads"),
+                   (kv_start, kv_start + per_rank),
+                   shard_range(config.intermediate_size, tp, "intermediate_size"), tp.is_first)
+
+    def slice(self, name: str, tensor: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """This rank's part of the full parameter ``name`` (a Hugging Face Llama name)."""
+        heads = lambda r: slice(r[0] * head_dim, r[1] * head_dim)  # noqa: E731
+        column = {"q_proj": heads(self.heads), "k_proj": heads(self.kv_heads),
+                  "v_proj": heads(self.kv_heads), "gate_proj": slice(*self.inter),
+                  "up_proj": slice(*self.inter)}
+        row = {"o_proj": heads(self.heads), "down_proj": slice(*self.inter)}
+        parts = name.split(".")
+        if len(parts) < 2 or parts[-2] not in column | row:
+            return tensor
+        layer, kind = parts[-2], parts[-1]
+        if layer in column:
+            return tensor[column[layer]]
+        if kind == "bias":  # a row-parallel bias is added once, by rank 0, before the all-reduce
+            return tensor if self.first else torch.zeros_like(tensor)
+        return tensor[:, row[layer]]
+
+
+def shard_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig,
+                     tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """Rank ``tp.rank``'s slices of a full Llama state dict (q/k/v, gate/up by output rows;
+    o_proj, down_proj by input columns; everything else replicated)."""
+    shard = Shard.of(config, tp)
+    return {name: shard.slice(name, t, config.head_dim) for name, t in state.items()}
 
 
 class RMSNorm(nn.Module):
@@ -145,10 +202,12 @@ class Attention(nn.Module):
 
     kernels: Any = ops  # pagedkv.ops, or a torch.ops namespace with the same schemas
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.layer, self.tp = layer, tp
+        shard = Shard.of(config, tp)
+        self.num_heads = shard.heads[1] - shard.heads[0]
+        self.num_kv_heads = shard.kv_heads[1] - shard.kv_heads[0]
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -184,15 +243,17 @@ class Attention(nn.Module):
             max_seq_len=batch.max_seq_len, max_query_len=batch.max_query_len, scale=self.scale,
             alibi_slopes=None, sliding_window=-1, soft_cap=0.0, k_scale=k_scale,
             v_scale=v_scale, lse_out=None)
-        return self.out(out.view(n, -1))[0]
+        return self.tp.all_reduce(self.out(out.view(n, -1))[0])
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.tp = tp
+        hidden, bias = config.hidden_size, config.mlp_bias
+        inter = config.intermediate_size // tp.size
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
@@ -201,14 +262,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(F.silu(gate) * up)[0]
+        return self.tp.all_reduce(self.down(F.silu(gate) * up)[0])
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -219,10 +280,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -246,24 +307,35 @@ class LlamaForCausalLM(nn.Module):
     >>> manager.add_sequence(0, prompt)
     >>> batch = manager.build_batch([0], len(prompt))  # no plan to run: nothing was copied
     >>> logits = model(torch.tensor(prompt), torch.arange(len(prompt)), cache, batch)
+
+    ``tp``: this rank's place among tensor-parallel ranks (default: one rank, the whole model).
+    Raises InvalidArgumentError when the heads or the MLP do not split over ``tp.size`` ranks.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp = tp or TensorParallel()
+        self.model = LlamaModel(config, self.tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head = LinearGroup(self.lm_head)
 
     @classmethod
-    def from_hf(cls, hf_model: nn.Module, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
-        """The same model as a ``transformers.LlamaForCausalLM``, with a copy of its weights."""
-        model = cls(ModelConfig.from_hf(hf_model.config))
+    def from_hf(cls, hf_model: nn.Module, dtype: torch.dtype | None = None,
+                tp: TensorParallel | None = None) -> LlamaForCausalLM:
+        """The same model as a ``transformers.LlamaForCausalLM``, with a copy of its weights
+        (of this rank's share with ``tp``)."""
+        model = cls(ModelConfig.from_hf(hf_model.config), tp)
         model.load_hf_state_dict(hf_model.state_dict())
         param = next(hf_model.parameters())
         return model.to(device=param.device, dtype=dtype or param.dtype).eval()
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype,
+                      cache_dtype: torch.dtype | None = None) -> KVCacheSpec:
+        """The spec of this rank's KV cache (its KV heads)."""
+        return self.config.kv_cache_spec(block_size, dtype, cache_dtype, self.tp.size)
 
     def use_kernels(self, kernels: Any) -> LlamaForCausalLM:
         """Run the cache ops from ``kernels``: ``pagedkv.ops`` (default) or a ``torch.ops``
@@ -309,10 +381,13 @@ class LlamaForCausalLM(nn.Module):
         return self.head.dtype
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load a Hugging Face ``LlamaForCausalLM`` state dict (``lm_head`` optional if tied)."""
+        """Load a Hugging Face ``LlamaForCausalLM`` state dict (``lm_head`` optional if tied),
+        full-size: with several tensor-parallel ranks this rank keeps its slices."""
         state = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
         if self.config.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        if self.tp.size > 1:
+            state = shard_state_dict(state, self.config, self.tp)
         self.load_state_dict(state, strict=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,

@@ -27,6 +27,8 @@ import torch
 
 from pagedkv import __version__, ops
 from pagedkv.cache.spec import KVCacheSpec
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.serving.parallel import kv_heads_per_rank
 from pagedkv.tools import argtypes
 from pagedkv.tools.presets import DTYPES, MODELS, format_bytes, get_model, size_report
 
@@ -144,7 +146,10 @@ def _add_size(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=argtypes.positive_int, default=16,
                    help="tokens per block (default 16)")
     p.add_argument("--memory", type=argtypes.byte_size,
-                   help="a memory budget for the cache, e.g. 80GiB or 40GB")
+                   help="a memory budget for the cache (per rank with --tp), e.g. 80GiB or 40GB")
+    p.add_argument("--tp", type=argtypes.positive_int, default=1,
+                   help="tensor parallel ranks: the figures are one rank's, holding its share of "
+                        "the KV heads (default 1)")
     p.set_defaults(parser=p)
 
 
@@ -157,7 +162,13 @@ def _size_spec(args: argparse.Namespace) -> tuple[str, KVCacheSpec, int]:
     layers, kv_heads, head_size = (d if d is not None else p for d, p in
                                    zip(dims, defaults, strict=True))
     dtype = args.dtype or (preset.dtype if preset else "bf16")
-    spec = KVCacheSpec(layers, kv_heads, head_size, args.block_size, DTYPES[dtype],
+    try:
+        if preset is not None and args.kv_heads is None:
+            preset.check_tp(args.tp)
+        rank_kv_heads = kv_heads_per_rank(kv_heads, args.tp)
+    except InvalidArgumentError as e:
+        args.parser.error(f"argument --tp: {e}")
+    spec = KVCacheSpec(layers, rank_kv_heads, head_size, args.block_size, DTYPES[dtype],
                        DTYPES[args.cache_dtype] if args.cache_dtype else None)
     name = preset.name if preset else "custom"
     return name, spec, args.seq_len or (preset.max_len if preset else 4096)
@@ -171,6 +182,7 @@ def _size(args: argparse.Namespace) -> int:
     r = size_report(spec, seq_len, args.batch, memory)
     dtype = str(spec.kv_dtype).removeprefix("torch.")
     data = {"model": name, "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
+            "tp": args.tp,
             "head_size": spec.head_size, "cache_dtype": dtype, "element_size": spec.element_size,
             "block_size": spec.block_size, "seq_len": seq_len, "batch": args.batch, **r}
     lines = [
@@ -188,6 +200,9 @@ def _size(args: argparse.Namespace) -> int:
     if memory is not None:
         lines.append(f"in {format_bytes(memory):<11} {r['tokens_fit']:>10,} tokens = "
                      f"{r['blocks_fit']:,} blocks = {r['seqs_fit']:,} sequences of {seq_len:,}")
+    if args.tp > 1:
+        lines.append(f"tensor parallel over {args.tp} ranks: the figures are each rank's, with "
+                     f"{spec.num_kv_heads} KV head(s) per rank; blocks are per rank")
     if spec.is_fp8:
         lines.append("fp8 caches also hold one float32 k_scale and v_scale per layer")
     return _print(args, data, "\n".join(lines))
@@ -282,6 +297,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                          "(bench/bench_engine.py's JSON) instead of the device roofline")
     hw.add_argument("--calibrated-model", metavar="NAME",
                     help="which model of the --calibrate file (when it holds several)")
+    hw.add_argument("--tp", type=argtypes.positive_int, default=1,
+                    help="tensor parallel devices (default 1): each holds its share of the "
+                         "weights and KV heads; --memory and the blocks are per device")
     hw.add_argument("--memory", type=argtypes.byte_size,
                     help="KV budget in bytes, e.g. 8GiB (default: 90%% of the device's memory "
                          "minus the weights)")
@@ -346,7 +364,14 @@ def _simulate(args: argparse.Namespace) -> int:
             requests = traces.load_jsonl(args.trace)
         except ValueError as e:
             parser.error(f"argument --trace: {e}")
-    roofline = RooflineModel(args.model, args.device, args.cache_dtype, args.block_size)
+    try:
+        args.model.check_tp(args.tp)
+        roofline = RooflineModel(args.model, args.device, args.cache_dtype, args.block_size,
+                                 args.tp)
+    except ValueError as e:
+        parser.error(f"argument --tp: {e}")
+    if args.calibrate and args.tp > 1:
+        parser.error("argument --tp: --calibrate prices steps measured on one device")
     if args.calibrate:
         try:
             cost = load_calibration(args.calibrate, args.calibrated_model)
@@ -354,18 +379,20 @@ def _simulate(args: argparse.Namespace) -> int:
             parser.error(f"argument --calibrate: {e}")
     else:
         cost = roofline
-    spec = args.model.spec(args.block_size, args.cache_dtype)
+    spec = args.model.spec(args.block_size, args.cache_dtype, args.tp)  # one device's
     if args.num_blocks:
         num_blocks, source = args.num_blocks, "--num-blocks"
     elif args.memory:
         num_blocks, source = spec.num_blocks_for(args.memory), f"{format_bytes(args.memory)}"
     else:
         try:
-            memory = roofline.kv_cache_bytes()
+            memory = roofline.kv_cache_bytes() // args.tp
         except ValueError as e:
             parser.error(f"argument --device: {e}")
         num_blocks = spec.num_blocks_for(memory)
         source = f"90% of {args.device.name} minus {args.model.name}'s weights"
+        if args.tp > 1:
+            source = f"90% of {args.tp} x {args.device.name} minus {args.model.name}'s weights"
     num_slots = num_blocks * args.block_size
     too_long = max(r.final_len for r in requests)
     if too_long > args.max_len:
@@ -385,6 +412,9 @@ def _simulate(args: argparse.Namespace) -> int:
     priced = (f"steps priced by {args.calibrate.name}" if args.calibrate else
               f"{args.model.name} on {args.device.name} (roofline)")
     budget = f"{num_blocks:,} blocks x {args.block_size} = {num_slots:,} token slots ({source})"
+    if args.tp > 1:
+        budget += (f"; tp {args.tp}: {format_bytes(num_blocks * spec.bytes_per_block)} of KV "
+                   f"and {num_blocks:,} blocks on each device")
     config = {k: (str(v) if isinstance(v, Path) else
                   v.name if hasattr(v, "name") and not isinstance(v, str) else v)
               for k, v in vars(args).items() if k not in ("run", "json", "no_progress", "parser")}

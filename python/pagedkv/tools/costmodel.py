@@ -90,6 +90,9 @@ class DevicePreset:
     issue slots a loop of independent ALU work keeps busy with 4 warps per scheduler: an
     assumption, to be replaced by ncu's ``smsp__issue_active.avg.pct_of_peak_sustained_active``
     once a GPU run measured it.
+
+    ``nvlink_bandwidth`` (B/s per direction between two GPUs of a node) carries the all-reduces of
+    tensor parallelism, at ``bandwidth_efficiency`` of its peak.
     """
 
     name: str
@@ -107,6 +110,7 @@ class DevicePreset:
     fp32_lanes_per_sm: int = 64
     sass_arch: str = ""
     issue_efficiency: float = 0.8
+    nvlink_bandwidth: float = 0.0
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -133,8 +137,11 @@ class DevicePreset:
 # 108 x 64 x 2 x 1.41 GHz = 19.5 TFLOPS (A100), 132 x 128 x 2 x 1.98 GHz = 67 TFLOPS (H100 and
 # H200 SXM, the same GH100 die at a 1980 MHz boost). Both have 4 warp schedulers per SM.
 _PCIE4, _PCIE5 = 31.5e9, 63e9
-_A100 = dict(sm_count=108, sm_clock=1.41e9, fp32_lanes_per_sm=64, sass_arch="sm_80")
-_H100 = dict(sm_count=132, sm_clock=1.98e9, fp32_lanes_per_sm=128, sass_arch="sm_90")
+# NVLink per direction: the sheets' totals (A100 600 GB/s, H100 and H200 SXM 900 GB/s) halved.
+_A100 = dict(sm_count=108, sm_clock=1.41e9, fp32_lanes_per_sm=64, sass_arch="sm_80",
+             nvlink_bandwidth=300e9)
+_H100 = dict(sm_count=132, sm_clock=1.98e9, fp32_lanes_per_sm=128, sass_arch="sm_90",
+             nvlink_bandwidth=450e9)
 
 DEVICES: dict[str, DevicePreset] = {d.name.lower(): d for d in [
     DevicePreset("A100-40GB", 40 * GIB, 1555e9, 312e12, _PCIE4, **_A100,
@@ -164,12 +171,16 @@ class RooflineModel:
     compute = the layers' matmuls for every query token + the lm_head for each sequence's last
     token (``num_seqs``: the engine samples only there) + attention, 4 FLOPs per layer, head and
     head dimension for each query-key pair (QK^T and PV);
-    swap = ``swap_blocks`` blocks over PCIe before the step.
+    swap = ``swap_blocks`` blocks over PCIe before the step;
+    allreduce = with ``tp`` > 1, two all-reduces per layer (after o_proj and down_proj) of the
+    query tokens' hidden states, a ring moving 2 (tp - 1) / tp of their bytes over NVLink.
 
-    ``step_seconds = max(memory, compute) + swap + overhead``. With ``tp`` devices each holds and
-    moves 1/tp of the weights, the K/V and the FLOPs; the all-reduces between them are not
-    priced. Mixtures of experts read only the experts a step's tokens are routed to: the expected
-    share under uniform routing, ``1 - (1 - active/experts)^query_tokens``.
+    ``step_seconds = max(memory, compute) + swap + allreduce + overhead`` (the all-reduces wait for
+    the matmul before them, so they do not overlap). With ``tp`` devices each holds and moves 1/tp
+    of the weights and the FLOPs, and its share of the KV heads (one replicated head each when
+    there are fewer KV heads than devices). Mixtures of experts read only the experts a step's
+    tokens are routed to: the expected share under uniform routing,
+    ``1 - (1 - active/experts)^query_tokens``.
     """
 
     def __init__(self, model: ModelPreset, device: DevicePreset, cache_dtype: str | None = None,
@@ -182,6 +193,7 @@ class RooflineModel:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         self.model, self.device, self.tp = model, device, tp
         self.spec = model.spec(block_size, cache_dtype)
+        self.rank_spec = model.spec(block_size, cache_dtype, tp)
         self.weight_bytes = model.weight_bytes()
         element = self.weight_bytes // model.num_params
         moe = model.num_layers * model.num_experts * model.expert_params if (
@@ -193,6 +205,14 @@ class RooflineModel:
         self._bandwidth = device.memory_bandwidth * device.bandwidth_efficiency * tp
         self._flops = device.bf16_flops * device.flops_efficiency * tp
         self._pcie = device.pcie_bandwidth * device.pcie_efficiency * tp
+        self._allreduce_bytes = 0.0  # per query token, per device
+        if tp > 1:
+            if not (device.nvlink_bandwidth and model.hidden_size):
+                raise ValueError(f"tp {tp}: needs the NVLink bandwidth of {device.name} and the "
+                                 f"hidden_size of {model.name}")
+            self._allreduce_bytes = (2 * model.num_layers * model.hidden_size * element
+                                     * 2 * (tp - 1) / tp)
+            self._nvlink = device.nvlink_bandwidth * device.bandwidth_efficiency
 
     def weights_read(self, query_tokens: int) -> float:
         """Bytes of weights a step of ``query_tokens`` tokens reads (all of them when dense)."""
@@ -210,14 +230,16 @@ class RooflineModel:
     def breakdown(self, shape: StepShape) -> dict[str, float]:
         _check_shape(shape)
         weights_s = self.weights_read(shape.query_tokens) / self._bandwidth
-        kv_bytes = (shape.kv_read + shape.query_tokens) * self.spec.bytes_per_token
+        kv_bytes = (shape.kv_read + shape.query_tokens) * self.rank_spec.bytes_per_token * self.tp
         kv_s = kv_bytes / self._bandwidth
         compute_s = self.flops(shape) / self._flops
-        swap_s = shape.swap_blocks * self.spec.bytes_per_block / self._pcie
+        swap_s = shape.swap_blocks * self.rank_spec.bytes_per_block * self.tp / self._pcie
+        allreduce_s = (shape.query_tokens * self._allreduce_bytes / self._nvlink
+                       if self.tp > 1 else 0.0)
         overhead_s = self.device.step_overhead
-        total_s = max(weights_s + kv_s, compute_s) + swap_s + overhead_s
+        total_s = max(weights_s + kv_s, compute_s) + swap_s + allreduce_s + overhead_s
         return {"weights_s": weights_s, "kv_s": kv_s, "compute_s": compute_s, "swap_s": swap_s,
-                "overhead_s": overhead_s, "total_s": total_s}
+                "allreduce_s": allreduce_s, "overhead_s": overhead_s, "total_s": total_s}
 
     def step_seconds(self, shape: StepShape) -> float:
         return self.breakdown(shape)["total_s"]

@@ -4,33 +4,55 @@ The same requests (mixed lengths, half of them behind a shared system prompt) ru
 same KV memory budget: with the paged cache (small blocks, prefix caching) and with contiguous
 max-length reservation (one ``max_model_len`` block per request, no sharing). Greedy decoding, so
 both runs must produce the same tokens.
+
+``--tp N`` under ``torchrun --nproc-per-node N`` serves the same requests with tensor parallelism:
+each rank holds its share of the heads, the MLP and the KV cache (the budget is split evenly over
+the ranks, so each holds as many blocks as one rank would), and rank 0 prints the report.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import random
+import sys
 from typing import Any
 
 import torch
 
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedkv.serving.linear import onednn_dtypes
 from pagedkv.serving.model import LlamaForCausalLM, ModelConfig
+from pagedkv.serving.parallel import TensorParallel, TensorParallelError, init_tensor_parallel
 from pagedkv.tools import argtypes
 
 __all__ = ["main", "random_model", "run_demo"]
 
 
-def random_model(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
-    """A model with seeded random weights (normal, std 0.1; norms at 1)."""
+def random_model(config: ModelConfig, seed: int = 0,
+                 tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """A model with seeded random weights (normal, std 0.1; norms at 1); with ``tp``, this
+    rank's shard of the same weights."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     for name, param in model.named_parameters():
         if not name.endswith("norm.weight"):
             torch.nn.init.normal_(param, std=0.1)
+    if tp is not None and tp.size > 1:
+        shard = LlamaForCausalLM(config, tp)
+        shard.load_hf_state_dict(model.state_dict())
+        model = shard
     return model.eval()
+
+
+def demo_config(max_model_len: int = 192) -> ModelConfig:
+    """The demo's model: 4 layers, hidden 128, 4 heads / 2 KV heads, vocab 512."""
+    return ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=max_model_len)
 
 
 def make_requests(num_requests: int, system_prompt_len: int, vocab_size: int, max_prompt: int,
@@ -55,7 +77,7 @@ def _serve(model: LlamaForCausalLM, requests: list[tuple[list[int], int]],
     return {
         "block_size": config.block_size,
         "num_blocks": engine.cache.num_blocks,
-        "kv_cache_bytes": engine.cache.nbytes,
+        "kv_cache_bytes_per_rank": engine.cache.nbytes,
         "tokens_per_s": round(stats.tokens_per_second, 1),
         "generated_tokens": stats.generated_tokens,
         "prefill_tokens": stats.prefill_tokens,
@@ -79,28 +101,30 @@ def run_demo(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    tp: TensorParallel | None = None,
 ) -> dict[str, Any]:
     """Serve the same requests paged and contiguous under one KV budget; returns both reports.
 
-    The budget holds ``kv_budget_requests`` contiguous reservations of ``max_model_len`` tokens.
+    The budget holds ``kv_budget_requests`` contiguous reservations of ``max_model_len`` tokens;
+    with ``tp`` (this rank among several) each rank gets an equal share of it.
     """
+    tp = tp or TensorParallel()
     if system_prompt_len + max_prompt + max_tokens > max_model_len:
         raise ValueError("system_prompt_len + max_prompt + max_tokens must be <= max_model_len")
-    config = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_model_len)
-    model = random_model(config, seed).to(device=device, dtype=dtype)
+    config = demo_config(max_model_len)
+    model = random_model(config, seed, tp).to(device=device, dtype=dtype)
     if torch.device(device).type == "cpu" and dtype in onednn_dtypes():
         model.prepack()  # the linears on oneDNN, prepacked: same tokens, faster on a CPU
     requests = make_requests(num_requests, system_prompt_len, config.vocab_size, max_prompt,
                              max_tokens, seed)
     budget = config.kv_cache_spec(max_model_len, dtype).bytes_per_block * kv_budget_requests
+    rank_budget = budget // tp.size
+    rank_block = config.kv_cache_spec(block_size, dtype, tp_size=tp.size).bytes_per_block
     paged, paged_out = _serve(model, requests, EngineConfig(
-        block_size=block_size, num_blocks=None, kv_cache_bytes=budget,
-        num_cpu_blocks=4 * budget // config.kv_cache_spec(block_size, dtype).bytes_per_block,
-        max_num_seqs=num_requests))
+        block_size=block_size, num_blocks=None, kv_cache_bytes=rank_budget,
+        num_cpu_blocks=4 * rank_budget // rank_block, max_num_seqs=num_requests))
     contiguous, contiguous_out = _serve(model, requests, EngineConfig(
-        block_size=max_model_len, num_blocks=None, kv_cache_bytes=budget,
+        block_size=max_model_len, num_blocks=None, kv_cache_bytes=rank_budget,
         enable_prefix_caching=False, reserve_null_block=False, max_num_seqs=num_requests))
     return {
         "model": {"layers": config.num_hidden_layers, "hidden": config.hidden_size,
@@ -112,9 +136,12 @@ def run_demo(
         "system_prompt_len": system_prompt_len,
         "max_model_len": max_model_len,
         "kv_budget_bytes": budget,
+        "tp": tp.size,
         "paged": paged,
         "contiguous": contiguous,
         "outputs_match": paged_out == contiguous_out,
+        "outputs_sha256": hashlib.sha256(json.dumps(paged_out).encode()).hexdigest(),
+        "outputs": paged_out,
     }
 
 
@@ -134,8 +161,13 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['requests']} requests, half behind a {report['system_prompt_len']}-token system "
         f"prompt; KV budget {report['kv_budget_bytes'] / 2**20:.2f} MiB "
         f"(max_model_len {report['max_model_len']})",
-        f"{'':26}{'paged':>14}{'contiguous':>14}",
     ]
+    if report["tp"] > 1:
+        lines.append(f"tensor parallel over {report['tp']} ranks; KV cache per rank: "
+                     f"{report['paged']['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB paged, "
+                     f"{report['contiguous']['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB "
+                     "contiguous")
+    lines.append(f"{'':26}{'paged':>14}{'contiguous':>14}")
     for label, key in ROWS:
         cells = []
         for run in (report["paged"], report["contiguous"]):
@@ -146,7 +178,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{label:26}{''.join(cells)}")
     lines.append("KV memory waste: share of the allocated KV slots that held no token, "
                  "averaged over engine steps")
-    lines.append(f"same greedy tokens in both runs: {report['outputs_match']}")
+    lines.append(f"same greedy tokens in both runs: {report['outputs_match']} "
+                 f"(sha256 of the tokens: {report['outputs_sha256'][:16]})")
     return "\n".join(lines)
 
 
@@ -185,6 +218,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=argtypes.count, default=0, help="seed (default 0)")
     parser.add_argument("--threads", type=argtypes.positive_int,
                         help="torch CPU threads (default: torch's)")
+    parser.add_argument("--tp", type=argtypes.positive_int, default=1,
+                        help="tensor parallel ranks (default 1); more than 1 needs torchrun "
+                             "--nproc-per-node TP")
+    parser.add_argument("--tp-timeout", type=argtypes.positive_float, default=60.0,
+                        help="seconds a rank waits for the others in a collective before "
+                             "exiting with an error (default 60)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
@@ -200,13 +239,35 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --max-model-len: a request may hold {longest} tokens "
                      f"(--system-prompt-len + --max-prompt + --max-tokens), more than "
                      f"{args.max_model_len}")
+    _check_tp(parser, args.tp)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = run_demo(args.requests, args.system_prompt_len, args.max_prompt, args.max_tokens,
-                      args.max_model_len, args.kv_budget_requests, args.block_size, args.device,
-                      getattr(torch, args.dtype), args.seed)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    try:
+        on_gpu = torch.device(args.device).type == "cuda"
+        tp = init_tensor_parallel(args.tp, args.tp_timeout, "nccl" if on_gpu else "gloo")
+        device = tp.device if on_gpu else args.device
+        report = run_demo(args.requests, args.system_prompt_len, args.max_prompt,
+                          args.max_tokens, args.max_model_len, args.kv_budget_requests,
+                          args.block_size, device, getattr(torch, args.dtype), args.seed, tp)
+    except TensorParallelError as e:
+        print(f"pagedkv demo: error: {e}", file=sys.stderr)
+        return 1
+    tp.close()
+    if tp.is_first:
+        report.pop("outputs")
+        print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["outputs_match"] else 1
+
+
+def _check_tp(parser: argparse.ArgumentParser, tp: int) -> None:
+    try:
+        demo_config().check_tp(tp)
+    except InvalidArgumentError as e:
+        parser.error(f"argument --tp: {e}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp != world:
+        parser.error(f"argument --tp: {tp} ranks need torchrun --nproc-per-node {tp} "
+                     f"(this is {world} process(es))")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.cache.spec import KVCacheSpec
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.serving.parallel import kv_heads_per_rank
 
 __all__ = ["DTYPES", "MODELS", "ModelPreset", "format_bytes", "get_model", "parse_bytes",
            "size_report"]
@@ -56,11 +58,20 @@ class ModelPreset:
     num_experts: int = 1
     num_active_experts: int = 1
 
-    def spec(self, block_size: int = 16, cache_dtype: str | None = None) -> KVCacheSpec:
-        """The KVCacheSpec of this model's cache."""
+    def spec(self, block_size: int = 16, cache_dtype: str | None = None,
+             tp: int = 1) -> KVCacheSpec:
+        """The KVCacheSpec of this model's cache (of one of ``tp`` tensor-parallel ranks)."""
         kv = DTYPES[cache_dtype] if cache_dtype else None
-        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_size, block_size,
-                           DTYPES[self.dtype], kv)
+        return KVCacheSpec(self.num_layers, kv_heads_per_rank(self.num_kv_heads, tp),
+                           self.head_size, block_size, DTYPES[self.dtype], kv)
+
+    def check_tp(self, tp: int) -> None:
+        """Raises InvalidArgumentError unless the heads split over ``tp`` ranks."""
+        if self.num_heads % tp:
+            raise InvalidArgumentError(
+                f"tensor parallel size {tp} does not divide the {self.num_heads} attention heads "
+                f"of {self.name}")
+        kv_heads_per_rank(self.num_kv_heads, tp)
 
     def _require_dims(self) -> None:
         if not (self.hidden_size and self.intermediate_size and self.vocab_size):
