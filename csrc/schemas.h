@@ -1,5 +1,5 @@
 // Every op schema of pagedkv, written once. torch.ops.pagedkv (csrc/bindings.cpp) and
-// torch.ops.pagedkv_simt (csrc/simt/module.cpp) both define their ops from this list.
+// torch.ops.pagedkv_simt (csrc/simt_backend/module.cpp) both define their ops from this list.
 // Mutated tensors are marked (a!); ops that mutate return nothing.
 #pragma once
 #include <torch/library.h>

@@ -18,7 +18,7 @@
 #include <cuda_fp16.h>
 
 #include "simt/runtime.h"
-#include "simt/selftest.h"
+#include "selftest.h"
 
 namespace {
 
