@@ -262,7 +262,8 @@ def test_the_sanitizer_run_uses_the_sanitized_module():
 # What the sanitizers print for the memory faults of selftest_faults.cpp.
 MEMORY_FAULTS = {
     "read_past_end": r"ERROR: AddressSanitizer: heap-buffer-overflow.*read_past_end_kernel",
-    "misaligned": r"runtime error: load of misaligned address .* 16 byte alignment",
+    "misaligned": r"runtime error: .*misaligned address .* 16 byte alignment"
+    r".*misaligned_vector_load_kernel",
 }
 
 
