@@ -7,6 +7,8 @@
 #   make test TORCH=2.13.0 the same against the CPU-only torch build (no nvcc use)
 #   make ctest             torch-free native targets: emulator self-tests, CPU attention kernels
 #                          of every instruction set, nvcc + ptxas report
+#   make sanitize          the simt suites on an ASan + UBSan build of pagedkv._simt, and the
+#                          emulator self-tests under TSan (what CI runs after `make test`)
 
 TORCH ?= 2.14.1
 PYTHON ?= python3
@@ -19,7 +21,7 @@ ifeq ($(TORCH),2.13.0)
 export PAGEDKV_CUDA ?= 0
 endif
 
-.PHONY: setup build test demo bench lint ctest clean
+.PHONY: setup build test demo bench lint ctest sanitize sanitize-address sanitize-thread clean
 
 setup: $(STAMP)
 
@@ -58,6 +60,27 @@ ctest: setup
 		-DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake --build build/cmake
 	ctest --test-dir build/cmake --output-on-failure
+
+# ASan + UBSan: pagedkv._simt built again into build/simt-address (the in-place module stays),
+# then every suite on the simt backend and the emulator self-tests with it. libasan must come
+# first in the process, libstdc++ with it (or ASan misses the first C++ throw); Python leaks by
+# design. A fault aborts pytest with the sanitizer's report (--capture=sys: pytest's capture of
+# the file descriptors would swallow it).
+SANITIZE_LIBS = $$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)
+sanitize-address: build
+	PAGEDKV_SIMT_SANITIZE=address $(PY) setup.py -q build_ext
+	PAGEDKV_SIMT_SANITIZE=address PAGEDKV_TEST_BACKENDS=simt LD_PRELOAD="$(SANITIZE_LIBS)" \
+		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		$(PY) -m pytest -q --capture=sys tests/ops tests/simt
+
+# TSan: the torch-free emulator self-tests, and the race check of a missing __syncthreads.
+sanitize-thread: setup
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake -S . -B build/tsan -G Ninja \
+		-DCMAKE_BUILD_TYPE=RelWithDebInfo -DSIMT_SANITIZE=thread -DCUDAToolkit_ROOT=$(CUDA_HOME)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake --build build/tsan
+	ctest --test-dir build/tsan --output-on-failure -j2
+
+sanitize: sanitize-address sanitize-thread
 
 clean:
 	rm -rf build python/pagedkv/*.so

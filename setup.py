@@ -3,11 +3,14 @@
 pagedkv._C     the ops: CPU kernels always (the attention kernels once per instruction set,
                see cpu_isa_units); CUDA kernels when torch has CUDA and nvcc is found.
 pagedkv._simt  the same CUDA kernel source compiled as host C++ against the SIMT emulator, for
-               CPU tensors (built whenever the CUDA toolkit headers are found).
+               CPU tensors (built whenever the CUDA toolkit headers are found): the emulator
+               (csrc/simt) and the backend glue (csrc/simt_backend).
 
 Environment switches:
   PAGEDKV_CUDA=0|1   force the CUDA kernels off or on (default: on when possible)
   PAGEDKV_SIMT=0|1   force the simt module off or on (default: on when the toolkit is found)
+  PAGEDKV_SIMT_SANITIZE=address  build only pagedkv._simt, with ASan + UBSan, into
+                     build/simt-address/pagedkv (never in place; `make sanitize` runs it)
   TORCH_CUDA_ARCH_LIST  GPU archs to build for (default here "8.0;9.0" when no GPU is visible)
   MAX_JOBS           parallel compile jobs (default: the number of cores)
   CUDA_HOME          toolkit root (default: derived from the real path of nvcc)
@@ -19,6 +22,7 @@ import glob
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -86,6 +90,14 @@ SIMT_FLAGS = [
     "-std=c++20", "-O1", "-g", "-fno-strict-aliasing", "-UNDEBUG", "-Wno-unknown-pragmas",
     "-pthread",
 ]
+# PAGEDKV_SIMT_SANITIZE: a sanitized pagedkv._simt beside (not over) the normal one.
+SIMT_SANITIZE = os.environ.get("PAGEDKV_SIMT_SANITIZE", "")
+SANITIZE_FLAGS = {
+    "address": [
+        "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+        "-fno-omit-frame-pointer",
+    ],
+}
 
 
 def cpu_isa_units() -> list[str]:
@@ -118,23 +130,40 @@ def c_extension() -> cpp_extension.CppExtension:
     return cpp_extension.CUDAExtension(sources=srcs, extra_compile_args=flags, **common)
 
 
-def simt_extension() -> cpp_extension.CppExtension:
+def simt_extension(sanitize: str = "") -> cpp_extension.CppExtension:
+    flags = SANITIZE_FLAGS[sanitize] if sanitize else []
     return cpp_extension.CppExtension(
         name="pagedkv._simt",
-        sources=sources("csrc/simt/*.cpp"),
+        sources=sources("csrc/simt/*.cpp", "csrc/simt_backend/*.cpp"),
         include_dirs=[str(ROOT / "csrc"), str(Path(CUDA_HOME, "include"))],
-        extra_compile_args=SIMT_FLAGS,
-        extra_link_args=["-pthread"],
+        extra_compile_args=SIMT_FLAGS + flags,
+        extra_link_args=["-pthread"] + flags,
     )
 
 
+def sanitized_simt_build(mode: str) -> tuple[list, dict]:
+    """The extension list and build_ext options of PAGEDKV_SIMT_SANITIZE=mode."""
+    if mode not in SANITIZE_FLAGS:
+        raise SystemExit(f"PAGEDKV_SIMT_SANITIZE must be 'address', not {mode!r}")
+    if not WITH_SIMT:
+        raise SystemExit("PAGEDKV_SIMT_SANITIZE is set but the simt module is not built")
+    if {"--inplace", "-i"} & set(sys.argv):
+        raise SystemExit("PAGEDKV_SIMT_SANITIZE builds into build/simt-<mode>, never in place")
+    out = str(ROOT / "build" / f"simt-{mode}")
+    return [simt_extension(mode)], {"build_ext": {"build_lib": out, "build_temp": f"{out}/temp"}}
+
+
 extensions = [c_extension()]
+options = {}
 if os.environ.get("PAGEDKV_EXT") == "0":
     extensions = []
+elif SIMT_SANITIZE:
+    extensions, options = sanitized_simt_build(SIMT_SANITIZE)
 elif WITH_SIMT and glob.glob(str(ROOT / "csrc/simt/*.cpp")):
     extensions.append(simt_extension())
 
 setup(
     ext_modules=extensions,
+    options=options,
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

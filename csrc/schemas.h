@@ -1,6 +1,6 @@
 // Every op schema of pagedkv, in one list. Each op's schema is written once, next to its checks
 // and its op<Run> entry, in csrc/ops/<op>.h; torch.ops.pagedkv (csrc/bindings.cpp) and
-// torch.ops.pagedkv_simt (csrc/simt/module.cpp) both define their ops from this list.
+// torch.ops.pagedkv_simt (csrc/simt_backend/module.cpp) both define their ops from this list.
 // Mutated tensors are marked (a!); ops that mutate return nothing.
 #pragma once
 #include <torch/library.h>

@@ -5,7 +5,8 @@ cuda  the CUDA kernels (torch.ops.pagedkv on CUDA tensors), when a GPU is presen
 simt  the CUDA kernel source run by the emulator (torch.ops.pagedkv_simt on CPU tensors),
       in two fiber orders (forward, and random with a fixed seed)
 
-PAGEDKV_TEST_BACKENDS=cpu,simt-forward restricts the list.
+PAGEDKV_TEST_BACKENDS=cpu,simt-forward restricts the list. PAGEDKV_SIMT_SANITIZE=address (`make
+sanitize`) runs simt on the ASan + UBSan build of the emulator module.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import pytest
 import torch
 
 import pagedkv  # noqa: F401  (loads torch.ops.pagedkv)
+
+from helpers import use_sanitized_simt
+
+use_sanitized_simt()
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,20 @@
 """Shared test helpers: cache layouts, random data, bitwise comparison, the processor's
-instruction sets."""
+instruction sets; the sanitized simt module."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import platform
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# "address" in `make sanitize`: the simt suites run on the ASan + UBSan build of pagedkv._simt.
+SIMT_SANITIZE = os.environ.get("PAGEDKV_SIMT_SANITIZE", "")
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -98,3 +105,25 @@ def use_cpu_isa(monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
     if not cpu_has(isa):
         pytest.skip(f"this processor has no {isa}: its kernels are compiled but cannot run here")
     monkeypatch.setenv("PAGEDKV_CPU_ISA", isa)
+
+
+def use_sanitized_simt() -> None:
+    """Under PAGEDKV_SIMT_SANITIZE, makes ``pagedkv._simt`` the sanitized build that setup.py
+    wrote to build/simt-<mode>/pagedkv (the in-place module stays as it is). Must run before
+    anything imports ``pagedkv._simt``."""
+    if not SIMT_SANITIZE:
+        return
+    import pagedkv
+
+    if "pagedkv._simt" in sys.modules:
+        raise RuntimeError("pagedkv._simt was imported before the sanitized build could be")
+    folder = ROOT / "build" / f"simt-{SIMT_SANITIZE}" / "pagedkv"
+    found = sorted(folder.glob("_simt.*.so"))
+    if not found:
+        raise RuntimeError(f"PAGEDKV_SIMT_SANITIZE={SIMT_SANITIZE}: no {folder}/_simt.*.so; "
+                           "`make sanitize` builds it")
+    spec = importlib.util.spec_from_file_location("pagedkv._simt", found[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["pagedkv._simt"] = module
+    pagedkv._simt = module

@@ -1,6 +1,7 @@
-"""The docs name what exists: every file path and ``pagedkv.x`` name in README.md and
-docs/architecture.md resolves, and every Python module of the package is listed in the
-architecture's Python package section."""
+"""The docs name what exists: every file path and ``pagedkv.x`` name in README.md,
+docs/architecture.md, docs/simt.md and csrc/simt/README.md resolves, every Python module of the
+package is listed in the architecture's Python package section, and every file of the emulator,
+its backend and its self-tests in docs/simt.md."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "python" / "pagedkv"
-DOCS = ["README.md", "docs/architecture.md"]
+DOCS = ["README.md", "docs/architecture.md", "docs/simt.md", "csrc/simt/README.md"]
+# Folders whose every file docs/simt.md names by its path.
+SIMT_FOLDERS = ["csrc/simt", "csrc/simt_backend", "tests/simt"]
 
 # A path under one of the repository's top-level folders (pagedkv/... is python/pagedkv/...).
 PATH = re.compile(r"(?<![\w./-])((?:csrc|python|pagedkv|tests|bench|docs|scripts)/[\w./*-]*)")
@@ -97,6 +100,14 @@ def test_every_module_is_listed_in_the_architecture():
         f"{sorted(modules - listed)}"
     )
     assert not listed - modules, f"listed modules that do not exist: {sorted(listed - modules)}"
+
+
+def test_simt_doc_names_every_file_of_the_emulator():
+    named = set(paths_in((ROOT / "docs/simt.md").read_text()))
+    files = {str(p.relative_to(ROOT)) for d in SIMT_FOLDERS for p in (ROOT / d).iterdir()
+             if p.is_file() and p.suffix in {".h", ".cpp", ".py", ".md"}}
+    assert len(files) >= 20 and "csrc/simt/fiber.cpp" in files
+    assert not files - named, f"docs/simt.md does not name {sorted(files - named)}"
 
 
 def test_the_checks_catch_what_they_should():

@@ -13,7 +13,7 @@
 // With several partitions each block writes a normalized partial output and its log-sum-exp to a
 // workspace and the reduce kernel merges them.
 //
-// Templates only: csrc/cuda/attention_*.cu (nvcc) and csrc/simt/attention_*.cpp (emulator)
+// Templates only: csrc/cuda/attention_*.cu (nvcc) and csrc/simt_backend/attention_*.cpp (emulator)
 // instantiate them with PAGEDKV_INSTANTIATE_ATTENTION, one query dtype per translation unit so that
 // the instantiations compile in parallel; attention_dispatch.cuh picks among them at run time.
 #pragma once

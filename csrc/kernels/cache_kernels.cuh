@@ -2,7 +2,7 @@
 // every layer in one launch) and swap_blocks (whole blocks between devices).
 //
 // Include from exactly one translation unit per backend (csrc/cuda/cache_kernels.cu for nvcc,
-// csrc/simt/cache_kernels.cpp for the emulator): it defines the launchers of cache_launch.h.
+// csrc/simt_backend/cache_kernels.cpp for the emulator): it defines the launchers of cache_launch.h.
 #pragma once
 #include "kernels/compat.cuh"
 #include "kernels/cache_launch.h"

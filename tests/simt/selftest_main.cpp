@@ -1,5 +1,6 @@
-// Torch-free emulator self-test (ctest): the self-test kernels of csrc/simt in several fiber
-// orders and worker counts, checked against host references, and every fault diagnosed.
+// Torch-free emulator self-test (ctest): the self-test kernels (selftest.h) on the emulator of
+// csrc/simt, in several fiber orders and worker counts, checked against host references, and
+// every fault diagnosed.
 // `simt_selftest --env ORDER SEED WORKERS` instead checks that PAGEDKV_SIMT_* were read;
 // `simt_selftest --race` runs a kernel with a missing __syncthreads (for the TSan build),
 // `--oob` and `--misaligned` kernels with memory faults (for the ASan + UBSan build).
@@ -18,7 +19,7 @@
 #include <cuda_fp16.h>
 
 #include "simt/runtime.h"
-#include "simt/selftest.h"
+#include "selftest.h"
 
 namespace {
 

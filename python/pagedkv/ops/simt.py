@@ -1,7 +1,9 @@
 """The simt backend: pagedkv's CUDA kernel source compiled as host C++ and run on the CPU by an
 emulator (csrc/simt), registered for CPU tensors as ``torch.ops.pagedkv_simt`` with the same
-schemas as ``torch.ops.pagedkv``. It exists so that machines without a GPU (CI) execute, and
-test, the CUDA kernels. It is a verification tool, orders of magnitude slower than the CPU ops.
+schemas as ``torch.ops.pagedkv`` (glue: csrc/simt_backend). The emulator's controls are
+``torch.ops.pagedkv_simt_ctl``, wrapped below. It exists so that machines without a GPU (CI)
+execute, and test, the CUDA kernels. It is a verification tool, orders of magnitude slower than
+the CPU ops.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ def available() -> bool:
 
 def set_order(order: str, seed: int = 0) -> None:
     """Order in which each block's threads run between barriers: forward, reverse or random."""
-    torch.ops.pagedkv_simt_test.set_order(order, seed)
+    torch.ops.pagedkv_simt_ctl.set_order(order, seed)
 
 
 def set_workers(n: int) -> None:
     """OS threads that run blocks concurrently; 1 gives a deterministic run."""
-    torch.ops.pagedkv_simt_test.set_workers(n)
+    torch.ops.pagedkv_simt_ctl.set_workers(n)
 
 
 def config() -> tuple[str, int, int]:
     """The current (order, seed, workers)."""
-    return tuple(torch.ops.pagedkv_simt_test.config())
+    return tuple(torch.ops.pagedkv_simt_ctl.config())

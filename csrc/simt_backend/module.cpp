@@ -1,7 +1,8 @@
 // The pagedkv._simt extension module: torch.ops.pagedkv_simt, the op schemas of pagedkv
-// (csrc/schemas.h) implemented by the CUDA kernel source run on the emulator for CPU tensors
-// (cache_ops.cpp), and torch.ops.pagedkv_simt_test, the emulator's controls and self-tests
-// (selftest_ops.cpp). Importing the module loads the library, which registers them.
+// (csrc/schemas.h) implemented by the CUDA kernel source run on the emulator (csrc/simt) for
+// CPU tensors (cache_ops.cpp, attention_ops.cpp), and torch.ops.pagedkv_simt_ctl, the
+// emulator's controls (controls.cpp). Importing the module loads the library, which registers
+// them.
 #include <Python.h>
 
 #include "schemas.h"

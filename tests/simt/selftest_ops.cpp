@@ -1,11 +1,11 @@
-// torch.ops.pagedkv_simt_test: the emulator's controls and its self-test kernels (selftest.h)
-// for CPU tensors. Emulator errors reach Python as RuntimeError with the simt message.
+// torch.ops.pagedkv_simt_selftest: the emulator's self-test kernels (selftest.h) for CPU
+// tensors, in a test-only library that tests/simt/selftest_build.py compiles against the
+// emulator of pagedkv._simt. Emulator errors reach Python as RuntimeError with the simt message.
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
 
-#include "simt/runtime.h"
-#include "simt/selftest.h"
+#include "selftest.h"
 
 namespace {
 
@@ -13,14 +13,6 @@ void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-void set_order(const std::string& order, int64_t seed) { simt::set_order(order, uint64_t(seed)); }
-void set_workers(int64_t n) { simt::set_workers(int(n)); }
-
-std::tuple<std::string, int64_t, int64_t> config() {
-  static const char* names[] = {"forward", "reverse", "random"};
-  return {names[int(simt::order())], int64_t(simt::seed()), simt::workers()};
 }
 
 // x [blocks, n] float32 -> [blocks]
@@ -139,12 +131,24 @@ at::Tensor missing_barrier(const at::Tensor& x) {
 void run_fault(const std::string& name) { simt_selftest::run_fault(name); }
 std::vector<std::string> fault_names() { return simt_selftest::fault_names(); }
 
+// Memory faults only a sanitizer build reports ("read_past_end" or "misaligned"); without one
+// the launch reads a value past a buffer (harmless on the host) and returns.
+void memory_fault(const std::string& name) {
+  std::vector<float> out(64);
+  if (name == "read_past_end") {
+    const std::vector<float> x(64, 1.0f);
+    simt_selftest::read_past_end(x.data(), out.data(), 64);
+  } else if (name == "misaligned") {
+    alignas(16) const uint16_t x[16] = {};  // 16 halves
+    simt_selftest::misaligned_vector_load(x, out.data());
+  } else {
+    TORCH_CHECK(false, "name must be read_past_end or misaligned, not '", name, "'");
+  }
+}
+
 }  // namespace
 
-TORCH_LIBRARY(pagedkv_simt_test, m) {
-  m.def("set_order(str order, int seed) -> ()", &set_order);
-  m.def("set_workers(int n) -> ()", &set_workers);
-  m.def("config() -> (str, int, int)", &config);
+TORCH_LIBRARY(pagedkv_simt_selftest, m) {
   m.def("block_sum(Tensor x, int threads) -> Tensor", &block_sum);
   m.def("warp_loop(Tensor x) -> (Tensor, Tensor)", &warp_loop);
   m.def("transpose(Tensor x) -> Tensor", &transpose);
@@ -159,4 +163,5 @@ TORCH_LIBRARY(pagedkv_simt_test, m) {
   m.def("missing_barrier(Tensor x) -> Tensor", &missing_barrier);
   m.def("run_fault(str name) -> ()", &run_fault);
   m.def("fault_names() -> str[]", &fault_names);
+  m.def("memory_fault(str name) -> ()", &memory_fault);
 }

@@ -1,30 +1,46 @@
-"""Self-tests of the simt emulator: small CUDA kernels (csrc/simt/selftest_*.cpp) run as
-fibers on the CPU, in several fiber orders and worker counts, each checked exactly."""
+"""Self-tests of the simt emulator: small CUDA kernels (tests/simt/selftest_*.cpp, built by
+selftest_lib.py against the emulator of pagedkv._simt) run as fibers on the CPU, in several
+fiber orders and worker counts, each checked exactly; the emulator's controls; and, in the
+sanitizer run (`make sanitize`), that ASan + UBSan report memory faults."""
 
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("pagedkv._simt")
-ops = torch.ops.pagedkv_simt_test
+import selftest_lib
+from helpers import ROOT, SIMT_SANITIZE
+
+simt = pytest.importorskip("pagedkv.ops.simt")
+if not simt.available():
+    pytest.skip("pagedkv._simt is not built (no CUDA toolkit headers)", allow_module_level=True)
 
 ORDERS = [("forward", 0, 1), ("reverse", 0, 1), ("random", 1, 1), ("random", 2, 2)]
 
 
+@pytest.fixture(scope="module")
+def ops():
+    """torch.ops.pagedkv_simt_selftest (built on first use), or a skip saying what is missing."""
+    try:
+        return selftest_lib.load()
+    except selftest_lib.Unavailable as e:
+        pytest.skip(f"the simt self-test library cannot be built: {e}")
+
+
 @pytest.fixture(params=ORDERS, ids=lambda p: f"{p[0]}-seed{p[1]}-workers{p[2]}")
-def order(request):
+def order(request, ops):
     """Runs the test under one fiber order / seed / worker count, then restores the config."""
-    saved = ops.config()
+    saved = simt.config()
     name, seed, workers = request.param
-    ops.set_order(name, seed)
-    ops.set_workers(workers)
+    simt.set_order(name, seed)
+    simt.set_workers(workers)
     yield name
-    ops.set_order(saved[0], saved[1])
-    ops.set_workers(saved[2])
+    simt.set_order(saved[0], saved[1])
+    simt.set_workers(saved[2])
 
 
 def integers(*shape, high=9):
@@ -32,13 +48,13 @@ def integers(*shape, high=9):
 
 
 @pytest.mark.parametrize("threads", [32, 256, 1024])
-def test_two_level_reduction(order, threads):
+def test_two_level_reduction(order, threads, ops):
     x = integers(5, 1000)
     assert torch.equal(ops.block_sum(x, threads), x.sum(1))
 
 
 @pytest.mark.parametrize("nblocks", [1, 4, 7, 13])
-def test_divergent_warp_loop(order, nblocks):
+def test_divergent_warp_loop(order, nblocks, ops):
     x = integers(nblocks, 32)
     group_sums, max_sum = ops.warp_loop(x)
     expected = x.view(nblocks, 4, 8).sum(2)
@@ -46,7 +62,7 @@ def test_divergent_warp_loop(order, nblocks):
     assert max_sum.item() == expected.max().item()
 
 
-def test_launches_that_follow_each_other(order):
+def test_launches_that_follow_each_other(order, ops):
     for nblocks in [7, 13, 2, 5]:  # warps loop 2, 4, 1, 2 times: uneven across launches
         x = integers(nblocks, 32, high=100 + nblocks)
         assert torch.equal(ops.warp_loop(x)[0], x.view(nblocks, 4, 8).sum(2))
@@ -55,23 +71,23 @@ def test_launches_that_follow_each_other(order):
 
 
 @pytest.mark.parametrize("shape", [(59, 97), (32, 32), (1, 5)])
-def test_tiled_shared_memory_transpose(order, shape):
+def test_tiled_shared_memory_transpose(order, shape, ops):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     assert torch.equal(ops.transpose(x), x.t())
 
 
 @pytest.mark.parametrize("n", [1, 33, 256])
-def test_dynamic_shared_memory(order, n):
+def test_dynamic_shared_memory(order, n, ops):
     x = torch.randn(3, n, generator=torch.Generator().manual_seed(2))
     assert torch.equal(ops.reverse_blocks(x), x.flip(1))
 
 
-def test_dynamic_shared_memory_is_poisoned_before_each_block(order):
+def test_dynamic_shared_memory_is_poisoned_before_each_block(order, ops):
     assert torch.equal(ops.read_poison(3, 64), torch.full((3, 64), -1, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_vector_loads_16_bytes(order, dtype):
+def test_vector_loads_16_bytes(order, dtype, ops):
     x = torch.randn(8 * 100, generator=torch.Generator().manual_seed(3)).to(dtype)
     y, sums = ops.vector_fma(x)
     xf = x.float()
@@ -86,7 +102,7 @@ def test_vector_loads_16_bytes(order, dtype):
 @pytest.mark.parametrize(
     "grid,block", [((3, 2, 2), (4, 2, 3)), ((1, 1, 1), (1, 1, 1)), ((2, 1, 3), (32, 1, 2))]
 )
-def test_3d_grid_and_block(order, grid, block):
+def test_3d_grid_and_block(order, grid, block, ops):
     out = ops.grid3d(list(grid), list(block))
 
     def pack(x, y, z):
@@ -100,7 +116,7 @@ def test_3d_grid_and_block(order, grid, block):
     assert len(set(tuple(v) for v in out[..., :2].reshape(-1, 2).tolist())) == out[..., 0].numel()
 
 
-def test_votes(order):
+def test_votes(order, ops):
     pred = torch.tensor([(i % 3 == 0) or (i >= 32) for i in range(64)], dtype=torch.int32)
     out = ops.votes(pred)
     warp0 = sum(1 << i for i in range(32) if i % 3 == 0)
@@ -110,25 +126,25 @@ def test_votes(order):
         assert out[t].tolist() == [ballot, 1, int(t >= 32), count, 0, 1]
 
 
-def test_atomics_across_blocks_and_workers(order):
+def test_atomics_across_blocks_and_workers(order, ops):
     assert ops.atomics(16, 128).tolist() == [2048, 2047, 2048, 2048]
 
 
 @pytest.mark.parametrize("n", [48, 70, 96])
-def test_partial_warps_shuffle_within_their_lanes(order, n):
+def test_partial_warps_shuffle_within_their_lanes(order, n, ops):
     x = integers(n)
     expected = torch.stack([chunk.sum() for chunk in x.split(32)])
     assert torch.equal(ops.partial_warp_sums(x), expected)
 
 
-def test_shuffle_from_outside_the_mask_reads_all_ones(order):
+def test_shuffle_from_outside_the_mask_reads_all_ones(order, ops):
     x = integers(16)
     out = ops.shuffle_outside_mask(x)
     assert torch.equal(out[:15], x[1:])
     assert out[15:].view(torch.int32).item() == -1
 
 
-def test_missing_barrier_is_caught_by_fiber_order(order):
+def test_missing_barrier_is_caught_by_fiber_order(order, ops):
     n = 64
     x = torch.arange(1, n + 1, dtype=torch.float32)
     out = ops.missing_barrier(x)
@@ -177,12 +193,12 @@ def expected_fault(name, order):
     return "".join(fills.get(part, re.escape(part)) for part in parts)
 
 
-def test_every_fault_kernel_has_an_expectation():
+def test_every_fault_kernel_has_an_expectation(ops):
     assert sorted(ops.fault_names()) == sorted(FAULTS)
 
 
 @pytest.mark.parametrize("name", sorted(FAULTS))
-def test_fault_diagnostics(order, name):
+def test_fault_diagnostics(order, name, ops):
     with pytest.raises(RuntimeError) as info:
         ops.run_fault(name)
     assert re.fullmatch(expected_fault(name, order), str(info.value)), str(info.value)
@@ -194,33 +210,69 @@ def test_controls_reject_bad_values():
     with pytest.raises(
         RuntimeError, match="order must be forward, reverse or random, not 'sideways'"
     ):
-        ops.set_order("sideways", 0)
+        simt.set_order("sideways", 0)
     with pytest.raises(RuntimeError, match="workers must be at least 1, got 0"):
-        ops.set_workers(0)
+        simt.set_workers(0)
 
 
-def test_random_order_is_deterministic_per_seed():
-    saved = ops.config()
+def test_random_order_is_deterministic_per_seed(ops):
+    saved = simt.config()
     try:
-        ops.set_workers(1)
+        simt.set_workers(1)
         x = torch.arange(1, 257, dtype=torch.float32)
         runs = {}
         for seed in [5, 5, 6]:
-            ops.set_order("random", seed)
+            simt.set_order("random", seed)
             runs.setdefault(seed, []).append(ops.missing_barrier(x))
         assert torch.equal(runs[5][0].nan_to_num(-1), runs[5][1].nan_to_num(-1))
         assert not torch.equal(runs[5][0].nan_to_num(-1), runs[6][0].nan_to_num(-1))
     finally:
-        ops.set_order(saved[0], saved[1])
-        ops.set_workers(saved[2])
+        simt.set_order(saved[0], saved[1])
+        simt.set_workers(saved[2])
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter with the helpers and this run's pagedkv._simt."""
+    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT / "tests" / "simt"),
+                            os.environ.get("PYTHONPATH", "")])
+    prelude = "import helpers; helpers.use_sanitized_simt()\n"
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=path, **env))
 
 
 def test_environment_sets_the_controls():
-    env = dict(
-        os.environ, PAGEDKV_SIMT_ORDER="reverse", PAGEDKV_SIMT_SEED="7", PAGEDKV_SIMT_WORKERS="3"
+    out = run_python(
+        "from pagedkv.ops import simt; print(simt.config())",
+        PAGEDKV_SIMT_ORDER="reverse", PAGEDKV_SIMT_SEED="7", PAGEDKV_SIMT_WORKERS="3",
     )
-    code = "import torch, pagedkv._simt; print(tuple(torch.ops.pagedkv_simt_test.config()))"
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "('reverse', 7, 3)"
+
+
+def test_the_sanitizer_run_uses_the_sanitized_module():
+    if not SIMT_SANITIZE:
+        pytest.skip("runs in the sanitizer run (make sanitize)")
+    import pagedkv._simt
+
+    module = Path(pagedkv._simt.__file__)
+    assert module.parent == ROOT / "build" / f"simt-{SIMT_SANITIZE}" / "pagedkv"
+    assert b"__asan_report_load" in module.read_bytes()  # instrumented
+
+
+# What the sanitizers print for the memory faults of selftest_faults.cpp.
+MEMORY_FAULTS = {
+    "read_past_end": r"ERROR: AddressSanitizer: heap-buffer-overflow.*read_past_end_kernel",
+    "misaligned": r"runtime error: .*misaligned address .* 16 byte alignment"
+    r".*misaligned_vector_load_kernel",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEMORY_FAULTS))
+def test_the_sanitizers_catch_memory_faults(ops, name):
+    """A kernel reading past its buffer, or a misaligned vector load, kills the process with
+    the sanitizer's report (so a faulty kernel fails the sanitizer run)."""
+    if not SIMT_SANITIZE:
+        pytest.skip("needs the ASan + UBSan build of the emulator (make sanitize)")
+    out = run_python(f"import selftest_lib; selftest_lib.load().memory_fault({name!r})")
+    assert out.returncode != 0
+    assert re.search(MEMORY_FAULTS[name], out.stderr, re.S), out.stderr[-3000:]

@@ -1,7 +1,7 @@
 // Correct self-test kernels, written as CUDA source with the project's compat macros
 // (see selftest.h for shapes).
 #include "kernels/compat.cuh"
-#include "simt/selftest.h"
+#include "selftest.h"
 
 // Kernels have external linkage so that messages can name them (dladdr).
 namespace simt_selftest {

@@ -2,7 +2,7 @@
 #include <map>
 
 #include "kernels/compat.cuh"
-#include "simt/selftest.h"
+#include "selftest.h"
 
 namespace simt_selftest {
 

@@ -1,5 +1,5 @@
 // Emulator self-test kernels (torch-free): host entry points taking host pointers.
-// Used by the pagedkv_simt_test torch ops (selftest_ops.cpp) and the ctest executable
+// Used by the pagedkv_simt_selftest torch ops (selftest_ops.cpp) and the ctest executable
 // (tests/simt/selftest_main.cpp). Each runs one launch and throws simt::Error on failure.
 #pragma once
 
