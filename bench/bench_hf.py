@@ -17,22 +17,20 @@ Both pairs must produce the same tokens; the table says whether they did.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+
+from bench.harness import write_host_json
 
 try:
     import transformers
 except ModuleNotFoundError:  # an optional dependency: pip install 'pagedkv[hf]'
     transformers = None
 
-RESULTS = Path(__file__).parent / "results"
 REPEATS = 3
 
 
@@ -161,14 +159,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = bench_generate(model, prompts, new, args.device)
     rows += bench_generate_batch(model, prompts, new)
     print_table(rows)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "bench_hf.json"
-    machine = {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "torch": torch.__version__,
-               "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-               "device": args.device, "prompt_lens": [len(p) for p in prompts], "new_tokens": new}
-    path.write_text(json.dumps({**machine, "rows": rows}, indent=2))
-    print(f"load average {machine['load_average'][0]:.1f} on {machine['cpus']} CPUs")
-    print(f"wrote {path}")
+    write_host_json("bench_hf", rows, transformers=transformers.__version__,
+                    threads=torch.get_num_threads(), device=args.device,
+                    prompt_lens=[len(p) for p in prompts], new_tokens=new)
     return rows
 
 

@@ -13,21 +13,16 @@ python -m bench.bench_manager [--seqs 256] [--steps 200] [--quick]
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-import torch
-
+from bench.harness import write_host_json
 from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.blocks.plan import PHASES
 
-RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
 
 
@@ -166,12 +161,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     rows = run(args.seqs, args.steps, args.quick)
     print_table(rows)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "bench_manager.json"
-    machine = {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "torch": torch.__version__}
-    path.write_text(json.dumps({**machine, "rows": rows}, indent=2))
-    print(f"load average {machine['load_average'][0]:.1f} on {machine['cpus']} CPUs")
-    print(f"wrote {path}")
+    write_host_json("bench_manager", rows)
     return rows
 
 

@@ -10,6 +10,7 @@ kernels that move data.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -105,4 +106,17 @@ def write_json(name: str, rows: list[Row], bandwidth: dict[str, float],
         "rows": [asdict(r) for r in rows],
     }
     path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def write_host_json(name: str, rows: list[dict], **fields: object) -> Path:
+    """bench/results/<name>.json of a host-side benchmark: its rows with the machine (CPUs, load
+    average, torch) and ``fields``; prints the load (other work skews host timings) and the path."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    machine = {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "torch": torch.__version__,
+               **fields}
+    path.write_text(json.dumps({**machine, "rows": rows}, indent=2))
+    print(f"load average {machine['load_average'][0]:.1f} on {machine['cpus']} CPUs")
+    print(f"wrote {path}")
     return path

@@ -127,3 +127,27 @@ def use_sanitized_simt() -> None:
     spec.loader.exec_module(module)
     sys.modules["pagedkv._simt"] = module
     pagedkv._simt = module
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is faster, and fair to a shared machine. Autouse in the
+    modules that import it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_hf_model(seed: int = 0, **overrides) -> torch.nn.Module:
+    """A random Hugging Face LlamaForCausalLM from a tiny config (no download); transformers is
+    imported here, so that modules without it can import the other helpers."""
+    import transformers
+
+    kwargs = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).eval()

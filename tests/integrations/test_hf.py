@@ -14,6 +14,8 @@ import torch
 
 from pagedkv.errors import OutOfBlocksError
 
+from helpers import one_thread, tiny_hf_model  # noqa: F401  (one_thread: autouse)
+
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("pagedkv.integrations.hf")
 
@@ -27,24 +29,9 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and fair to a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(seed: int = 0, **overrides) -> torch.nn.Module:
-    """A random LlamaForCausalLM from a tiny config (no download)."""
-    kwargs = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=PAD,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).eval()
+    """A random LlamaForCausalLM from a tiny config (no download), padding with PAD."""
+    return tiny_hf_model(seed, pad_token_id=PAD, **overrides)
 
 
 def left_padded(prompts: list[list[int]]) -> dict[str, torch.Tensor]:

@@ -17,6 +17,8 @@ from pagedkv.blocks.plan import PlanExecutor
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.serving.model import LlamaForCausalLM, ModelConfig
 
+from helpers import one_thread, tiny_hf_model  # noqa: F401  (one_thread: autouse)
+
 transformers = pytest.importorskip("transformers")
 
 SHARED = [7, 3, 99, 42, 17, 250, 8, 64, 5, 11, 200, 31]  # a 12-token "system prompt"
@@ -32,26 +34,6 @@ CONFIGS = {
                          "original_max_position_embeddings": 16}),
     "mqa-head64": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=64),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and fair to a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_hf_model(seed: int = 0, **overrides) -> torch.nn.Module:
-    """A random HF LlamaForCausalLM from a tiny config (no download)."""
-    kwargs = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).eval()
 
 
 def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
