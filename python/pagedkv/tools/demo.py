@@ -24,7 +24,6 @@ import torch
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedkv.serving.linear import onednn_dtypes
 from pagedkv.serving.model import LlamaForCausalLM, ModelConfig
 from pagedkv.serving.parallel import TensorParallel, TensorParallelError, init_tensor_parallel
 from pagedkv.tools import argtypes
@@ -113,8 +112,6 @@ def run_demo(
         raise ValueError("system_prompt_len + max_prompt + max_tokens must be <= max_model_len")
     config = demo_config(max_model_len)
     model = random_model(config, seed, tp).to(device=device, dtype=dtype)
-    if torch.device(device).type == "cpu" and dtype in onednn_dtypes():
-        model.prepack()  # the linears on oneDNN, prepacked: same tokens, faster on a CPU
     requests = make_requests(num_requests, system_prompt_len, config.vocab_size, max_prompt,
                              max_tokens, seed)
     budget = config.kv_cache_spec(max_model_len, dtype).bytes_per_block * kv_budget_requests
