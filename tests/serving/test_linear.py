@@ -23,6 +23,7 @@ from test_model_hf import (  # noqa: E402, F401
     CONFIGS,
     MAX_NEW,
     PROMPTS,
+    assert_bf16_logits_close,
     hf_greedy,
     hf_step_logits,
     one_thread,
@@ -127,12 +128,7 @@ def test_bfloat16_weights_where_supported() -> None:
         return
     greedy, _ = paged_generate(model, PROMPTS, MAX_NEW)
     _, ours = paged_generate(model.prepack(torch.bfloat16), PROMPTS, MAX_NEW, forced=greedy)
-    hf_bf16 = tiny_hf_model(**CONFIGS["gqa"]).to(torch.bfloat16)
-    for i, prompt in enumerate(PROMPTS):
-        exact = hf_step_logits(hf, prompt, greedy[i])
-        ours_err = (ours[:, i] - exact).abs().max().item()
-        hf_err = (hf_step_logits(hf_bf16, prompt, greedy[i]) - exact).abs().max().item()
-        assert ours_err <= 2 * hf_err + 0.02, (i, ours_err, hf_err)
+    assert_bf16_logits_close(hf, ours, greedy)
 
 
 @needs_onednn
