@@ -47,20 +47,21 @@ bool overlaps(const unsigned char* p, size_t bytes, const unsigned char* lo, siz
 // A shared-memory operand of `bytes` at p: 16-byte aligned, not on the thread's own stack (a
 // local array), and either inside the dynamic shared memory or clear of it (static __shared__
 // variables cannot be told from global memory here).
-void check_shared(const std::string& what, const void* p, size_t bytes) {
+void check_shared(const char* what, const void* p, size_t bytes) {
   const auto* a = static_cast<const unsigned char*>(p);
   const Thread& t = *current_thread;
   const Block& b = *current_block;
   if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
-    fail(what + ": shared address " + address(p) + " is not 16-byte aligned");
+    fail(what + std::string(": shared address ") + address(p) + " is not 16-byte aligned");
   }
   if (overlaps(a, bytes, t.stack_lo, size_t(t.stack_hi - t.stack_lo))) {
-    fail(what + ": address " + address(p) + " is on the thread's stack, not in shared memory");
+    fail(what + std::string(": address ") + address(p) +
+         " is on the thread's stack, not in shared memory");
   }
   const unsigned char* lo = b.dynamic_smem;
   if (overlaps(a, bytes, lo, b.dynamic_smem_bytes) &&
       (a < lo || a + bytes > lo + b.dynamic_smem_bytes)) {
-    fail(what + ": " + std::to_string(bytes) + " bytes at " + address(p) +
+    fail(what + std::string(": ") + std::to_string(bytes) + " bytes at " + address(p) +
          " run past the dynamic shared memory (" + std::to_string(b.dynamic_smem_bytes) +
          " bytes)");
   }
@@ -92,23 +93,34 @@ float bf16_to_float(uint16_t h) {
 
 // The PTX ISA layouts of mma.m16n8k16 (f16 / bf16 operands, f32 accumulators): see tensor_core.h.
 // The products of two 16-bit floats are exact in float; they are summed in float, k ascending,
-// onto C (the hardware sums with its own internal order and precision: docs/simt.md).
-void resolve_mma(bool bf16, void* const lanes[32]) {
-  float a[16][16], bt[8][16], c[16][8];  // A [m][k], B transposed [n][k], C [m][n]
-  const auto cvt = bf16 ? bf16_to_float : f16_to_float;
+// onto C (the hardware sums with its own internal order and precision: docs/simt.md). Rows of
+// B, C and D are two vectors of 4 floats (the host's SIMD, element-wise the same arithmetic).
+typedef float Float4 __attribute__((vector_size(16)));
+
+template <bool kBf16>
+void resolve_mma(void* const lanes[32]) {
+  const auto cvt = kBf16 ? bf16_to_float : f16_to_float;
+  float a[16][16];  // [m][k]
+  Float4 b[16][2], d[16][2];  // B [k][n], C then D [m][n]: columns 0-3, 4-7
   for (unsigned l = 0; l < 32; ++l) {
     const MmaLane& x = *static_cast<const MmaLane*>(lanes[l]);
     const unsigned g = l / 4, t = l % 4;
     for (unsigned half = 0; half < 2; ++half) {
-      const unsigned shift = 16 * half;
+      const unsigned shift = 16 * half, n = 2 * t + half;
       a[g][2 * t + half] = cvt(uint16_t(x.a[0] >> shift));
       a[g + 8][2 * t + half] = cvt(uint16_t(x.a[1] >> shift));
       a[g][2 * t + 8 + half] = cvt(uint16_t(x.a[2] >> shift));
       a[g + 8][2 * t + 8 + half] = cvt(uint16_t(x.a[3] >> shift));
-      bt[g][2 * t + half] = cvt(uint16_t(x.b[0] >> shift));
-      bt[g][2 * t + 8 + half] = cvt(uint16_t(x.b[1] >> shift));
-      c[g][2 * t + half] = x.c[half];
-      c[g + 8][2 * t + half] = x.c[2 + half];
+      b[2 * t + half][g / 4][g % 4] = cvt(uint16_t(x.b[0] >> shift));
+      b[2 * t + 8 + half][g / 4][g % 4] = cvt(uint16_t(x.b[1] >> shift));
+      d[g][n / 4][n % 4] = x.c[half];
+      d[g + 8][n / 4][n % 4] = x.c[2 + half];
+    }
+  }
+  for (unsigned m = 0; m < 16; ++m) {
+    for (unsigned k = 0; k < 16; ++k) {
+      d[m][0] += a[m][k] * b[k][0];
+      d[m][1] += a[m][k] * b[k][1];
     }
   }
   for (unsigned l = 0; l < 32; ++l) {
@@ -116,9 +128,7 @@ void resolve_mma(bool bf16, void* const lanes[32]) {
     const unsigned g = l / 4, t = l % 4;
     for (unsigned i = 0; i < 4; ++i) {
       const unsigned m = g + 8 * (i / 2), n = 2 * t + i % 2;
-      float acc = c[m][n];
-      for (unsigned k = 0; k < 16; ++k) acc += a[m][k] * bt[n][k];
-      x.d[i] = acc;
+      x.d[i] = d[m][n / 4][n % 4];
     }
   }
 }
@@ -169,8 +179,8 @@ void land(const AsyncCopy& copy) {
 
 void resolve_matrix_op(Op op, void* const lanes[32]) {
   switch (op) {
-    case Op::mma_f16: return resolve_mma(false, lanes);
-    case Op::mma_bf16: return resolve_mma(true, lanes);
+    case Op::mma_f16: return resolve_mma<false>(lanes);
+    case Op::mma_bf16: return resolve_mma<true>(lanes);
     case Op::ldmatrix_x1: return resolve_ldmatrix(1, false, lanes);
     case Op::ldmatrix_x2: return resolve_ldmatrix(2, false, lanes);
     case Op::ldmatrix_x4: return resolve_ldmatrix(4, false, lanes);
@@ -223,20 +233,23 @@ void ldmatrix(uint32_t* r, const void* smem_row, int num, bool trans) {
 }
 
 void cp_async_16(void* smem, const void* gmem, int src_bytes) {
-  const std::string what = "cp.async.cg.shared.global 16";
+  const char* what = "cp.async.cg.shared.global 16";
   if (src_bytes < 0 || src_bytes > 16) {
-    detail::fail(what + ": src_bytes must be in [0, 16], got " + std::to_string(src_bytes));
+    detail::fail(what + std::string(": src_bytes must be in [0, 16], got ") +
+                 std::to_string(src_bytes));
   }
   detail::check_shared(what, smem, 16);
   const auto* src = static_cast<const unsigned char*>(gmem);
   const detail::Block& b = *detail::current_block;
   const detail::Thread& t = *detail::current_thread;
   if (reinterpret_cast<uintptr_t>(gmem) % 16 != 0) {
-    detail::fail(what + ": global address " + detail::address(gmem) + " is not 16-byte aligned");
+    detail::fail(what + std::string(": global address ") + detail::address(gmem) +
+                 " is not 16-byte aligned");
   }
   if (detail::overlaps(src, 16, b.dynamic_smem, b.dynamic_smem_bytes) ||
       detail::overlaps(src, 16, t.stack_lo, size_t(t.stack_hi - t.stack_lo))) {
-    detail::fail(what + ": the source " + detail::address(gmem) + " is not global memory");
+    detail::fail(what + std::string(": the source ") + detail::address(gmem) +
+                 " is not global memory");
   }
   std::memset(smem, 0xff, 16);  // poison until the wait_group that lands the copy
   const detail::RaceIgnore ignore;
