@@ -1,5 +1,7 @@
 """paged_attention on every backend against pagedkv.ops.reference (float64 oracle, float32 as the
-measure of torch's own error). The grids are module-level lists: trim them for slow backends."""
+measure of torch's own error), on cuda and simt with automatic kernel dispatch and with the
+tensor-core kernel forced (the -tc backends). The grids are module-level lists: trim them for slow
+backends."""
 
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ FEATURES = {
 # (seq_lens, q_lens): decode rows (q 1), whole prefills (q = seq), chunks over a cached prefix.
 VARLEN = ((1, 40, 97, 33, 64, 5), (1, 40, 9, 33, 1, 2))
 DECODE = Case()
+
+
+@pytest.fixture
+def backend(attention_backend):
+    """Every backend, cuda and simt also with the tensor-core kernel forced (conftest.py)."""
+    return attention_backend
 
 
 def run(backend, case: Case, **extra) -> dict:
@@ -246,6 +254,64 @@ def test_compiles_fullgraph(backend):
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     compiled(args["query"], args["out"], args["lse_out"])
     check(args)
+
+
+# --- kernel dispatch on cuda and simt: PAGEDKV_ATTENTION_KERNEL and the automatic rule ---------
+
+# (case, kernel that automatic dispatch picks): the tensor-core kernel from 8 (query token, query
+# head) rows per kv head on, for 16-bit queries with a cache of their dtype.
+DISPATCH = {
+    "bf16 decode group 4": (Case(dtype=torch.bfloat16), "cuda_core"),
+    "bf16 decode group 8": (Case(dtype=torch.bfloat16, num_heads=16), "tensor_core"),
+    "f16 chunks group 4": (Case(dtype=torch.float16, seq_lens=(9, 40), q_lens=(2, 7)),
+                           "tensor_core"),
+    "bf16 head 256 prefill": (Case(dtype=torch.bfloat16, head_size=256, seq_lens=(70, 3),
+                                   q_lens=(70, 1)), "tensor_core"),
+    "f32 chunks": (Case(seq_lens=(9, 40), q_lens=(2, 7)), "cuda_core"),
+    "fp8 cache chunks": (Case(dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
+                              seq_lens=(9, 40), q_lens=(2, 7)), "cuda_core"),
+}
+
+
+def _with_kernel(backend, args, kernel, monkeypatch) -> dict:
+    monkeypatch.setenv("PAGEDKV_ATTENTION_KERNEL", kernel)
+    again = rerun(backend, args)
+    check(again)
+    return again
+
+
+def _same(a: dict, b: dict) -> bool:
+    return torch.equal(a["out"], b["out"]) and torch.equal(a["lse_out"], b["lse_out"])
+
+
+@pytest.mark.parametrize("name", DISPATCH)
+def test_kernel_dispatch(backend, name, monkeypatch):
+    """Forced kernels differ in their rounding (the tensor-core one rounds P to the query dtype),
+    so which kernel ran shows in the bits: auto must match the kernel the rule names, and forcing
+    the tensor-core kernel on a call it does not support must run the CUDA-core one."""
+    if backend.name == "cpu" or backend.attention_kernel is not None:
+        pytest.skip("the CUDA-source backends, once each")
+    case, want = DISPATCH[name]
+    monkeypatch.setenv("PAGEDKV_ATTENTION_KERNEL", "auto")
+    auto = run(backend, case)
+    cuda_core = _with_kernel(backend, auto, "cuda_core", monkeypatch)
+    tensor_core = _with_kernel(backend, auto, "tensor_core", monkeypatch)
+    supported = case.dtype != torch.float32 and case.cache_dtype is None
+    assert _same(cuda_core, tensor_core) != supported
+    assert _same(auto, tensor_core if want == "tensor_core" else cuda_core)
+    monkeypatch.delenv("PAGEDKV_ATTENTION_KERNEL")
+    assert _same(rerun(backend, auto), auto)  # unset is auto
+
+
+def test_kernel_switch_refuses_unknown_names(backend, monkeypatch):
+    if backend.name == "cpu" or backend.attention_kernel is not None:
+        pytest.skip("the CUDA-source backends, once each")
+    args = make_args(Case(seq_lens=(5, 20), q_lens=(2, 3), dtype=torch.bfloat16), backend.device)
+    monkeypatch.setenv("PAGEDKV_ATTENTION_KERNEL", "tensor_cores")
+    with pytest.raises(ValueError, match="PAGEDKV_ATTENTION_KERNEL must be one of auto "
+                                         "cuda_core tensor_core, got 'tensor_cores'"):
+        call(backend.ops.paged_attention, args)
+    assert args["out"].isnan().all() and args["lse_out"].isnan().all()
 
 
 # --- bad input: a clear error naming the argument, before anything is written -----------------
