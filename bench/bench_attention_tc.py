@@ -110,12 +110,16 @@ def main(argv: list[str] | None = None) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\npaged_attention kernels on {name} (copy bandwidth now {bandwidth['copy']:.1f} GB/s,"
           f" dense bf16 peak {f'{peak:.0f} TFLOPS' if peak else 'unknown'})")
-    print(f"{'case':<42}{'kernel':<13}{'ms':>9}{'TFLOPS':>9}{'of peak':>9}{'GB/s':>9}{'of copy':>9}")
+    print(f"{'case':<42}{'kernel':<13}{'ms':>9}{'TFLOPS':>9}{'of peak':>9}{'GB/s':>9}"
+          f"{'of copy':>9}")
+
+    def cell(r: dict, key: str, fmt: str) -> str:
+        return format(r[key], fmt) if r.get(key) is not None else "-"
+
     for r in rows:
-        def cell(key, fmt):
-            return format(r[key], fmt) if r.get(key) is not None else "-"
-        print(f"{r['case']:<42}{r['kernel']:<13}{r['ms']:>9.3f}{cell('tflops', '.1f'):>9}"
-              f"{cell('of_peak', '.0%'):>9}{cell('gbps', '.1f'):>9}{cell('of_copy_bw', '.0%'):>9}")
+        print(f"{r['case']:<42}{r['kernel']:<13}{r['ms']:>9.3f}{cell(r, 'tflops', '.1f'):>9}"
+              f"{cell(r, 'of_peak', '.0%'):>9}{cell(r, 'gbps', '.1f'):>9}"
+              f"{cell(r, 'of_copy_bw', '.0%'):>9}")
     write_host_json("attention_tc", rows, device=name, bandwidth_gbps=bandwidth,
                     dense_bf16_tflops=peak)
 
