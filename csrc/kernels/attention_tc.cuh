@@ -35,6 +35,8 @@
 #include "kernels/dtypes.cuh"
 #include "kernels/tensor_core.cuh"
 
+#include <type_traits>
+
 namespace pagedkv {
 namespace PAGEDKV_KERNEL_NS {
 namespace attn_tc {
@@ -79,9 +81,33 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(__nv_bfloat16 lo, __nv_
   return static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(b.x) << 16);
 }
 
+// 8 fp8 cache elements (raw, little-endian) -> 8 T, exactly (every e4m3 / e5m2 value is a
+// float16 and a bfloat16 value); the scales are applied to S and O, not here.
+template <typename T, typename C>
+__device__ __forceinline__ uint4 dequantize8(uint2 raw) {
+  constexpr __nv_fp8_interpretation_t kind = std::is_same_v<C, fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t word = i < 2 ? raw.x : raw.y;
+    const auto pair = static_cast<__nv_fp8x2_storage_t>((word >> (16 * (i % 2))) & 0xffffu);
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, kind);
+    if constexpr (std::is_same_v<T, __half>) {
+      w[i] = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+    } else {
+      __half_raw lo, hi;
+      lo.x = h.x, hi.x = h.y;
+      w[i] = pack2<T>(from_float<T>(__half2float(__half(lo))),
+                      from_float<T>(__half2float(__half(hi))));
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // grid: (row_tiles * num_parts, num_seqs, num_kv_heads), block: TcConfig::kThreads,
-// dynamic smem: TcConfig::kBytes. T: the query, out and cache dtype (16-bit); p.head_size <= HEAD.
-template <typename T, int HEAD, int WM, int WN, int BN>
+// dynamic smem: TcConfig::kBytes. T: the query and out dtype (16-bit); C: the cache's, T or an
+// fp8 type (dequantized to T while staged); p.head_size <= HEAD.
+template <typename T, typename C, int HEAD, int WM, int WN, int BN>
 __global__ void __launch_bounds__(32 * WM * WN, 1)
     paged_attention_tc_kernel(const PagedAttentionParams p, const AttentionPlan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -122,7 +148,13 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   const int warp = tid / 32, lane = tid % 32;
   const int warp_m = warp % WM, warp_n = warp / WM;
   const int head_size = p.head_size;
-  const float qk_scale = p.scale;
+  constexpr bool kFp8 = is_fp8<C>::value;
+  float qk_scale = p.scale;
+  float v_scale = 1.f;
+  if constexpr (kFp8) {
+    qk_scale *= *p.k_scale;
+    v_scale = *p.v_scale;
+  }
 
   // Q tile -> shared memory (rows past `rows` and dims past head_size: zeros).
   {
@@ -149,23 +181,72 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
     }
   }
 
-  // K/V tile gather: thread tid copies chunk tid % kChunks of rows tid / kChunks + pass *
-  // kRowsPerPass; both caches seen from this kv head and that chunk.
+  // K/V tile gather: thread tid copies chunk tid % kChunks (8 elements) of rows tid / kChunks +
+  // pass * kRowsPerPass; both caches seen from this kv head and that chunk. 16-bit caches: by
+  // cp.async (stage); fp8 caches: 8-byte loads into registers one tile ahead (fetch), dequantized
+  // into shared memory after the current tile's math (store); head 256: at the tile's start.
+  constexpr int kPasses = BN / Cfg::kRowsPerPass;
+  // Head 256 has no registers left for a tile in flight: it loads and stores at the tile's start.
+  constexpr bool kPrefetch = kFp8 && HEAD <= 128;
   const int my_chunk = tid % Cfg::kChunks;
   const int my_row = tid / Cfg::kChunks;
   const bool chunk_in = my_chunk * 8 < head_size;
-  const PagedKV<const T> k_cache = p.key_cache.as<const T>().head(kv_head, my_chunk * 8);
-  const PagedKV<const T> v_cache = p.value_cache.as<const T>().head(kv_head, my_chunk * 8);
+  const PagedKV<const C> k_cache = p.key_cache.as<const C>().head(kv_head, my_chunk * 8);
+  const PagedKV<const C> v_cache = p.value_cache.as<const C>().head(kv_head, my_chunk * 8);
   const int* table = p.block_tables + static_cast<int64_t>(seq) * p.block_table_stride;
   const attn::FastDiv block_div(p.key_cache.block_size);
+  uint2 k_next[kPrefetch ? kPasses : 1], v_next[kPrefetch ? kPasses : 1];
+  auto fetch = [&](int key0) {
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int t = key0 + my_row + pass * Cfg::kRowsPerPass;
+      k_next[pass] = v_next[pass] = make_uint2(0, 0);
+      if (t < part_end && chunk_in) {
+        int blk, off;
+        block_div.divmod(t, blk, off);
+        const int64_t phys = __ldg(table + blk);
+        k_next[pass] = __ldg(reinterpret_cast<const uint2*>(k_cache.row({phys, off})));
+        v_next[pass] = __ldg(reinterpret_cast<const uint2*>(v_cache.row({phys, off})));
+      }
+    }
+  };
+  auto store = [&](int buf) {
+    T* kd = k_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
+    T* vd = v_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      *reinterpret_cast<uint4*>(kd + pass * Cfg::kRowsPerPass * kStride) =
+          dequantize8<T, C>(k_next[pass]);
+      *reinterpret_cast<uint4*>(vd + pass * Cfg::kRowsPerPass * kStride) =
+          dequantize8<T, C>(v_next[pass]);
+    }
+  };
+  auto load_store = [&](int buf, int key0) {  // fetch + store, one pass at a time
+    T* kd = k_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
+    T* vd = v_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int t = key0 + my_row + pass * Cfg::kRowsPerPass;
+      uint2 kr = make_uint2(0, 0), vr = make_uint2(0, 0);
+      if (t < part_end && chunk_in) {
+        int blk, off;
+        block_div.divmod(t, blk, off);
+        const int64_t phys = __ldg(table + blk);
+        kr = __ldg(reinterpret_cast<const uint2*>(k_cache.row({phys, off})));
+        vr = __ldg(reinterpret_cast<const uint2*>(v_cache.row({phys, off})));
+      }
+      *reinterpret_cast<uint4*>(kd + pass * Cfg::kRowsPerPass * kStride) = dequantize8<T, C>(kr);
+      *reinterpret_cast<uint4*>(vd + pass * Cfg::kRowsPerPass * kStride) = dequantize8<T, C>(vr);
+    }
+  };
   auto stage = [&](int buf, int key0) {
     T* kd = k_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
     T* vd = v_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
 #pragma unroll
-    for (int pass = 0; pass < BN / Cfg::kRowsPerPass; ++pass) {
+    for (int pass = 0; pass < kPasses; ++pass) {
       const int t = key0 + my_row + pass * Cfg::kRowsPerPass;
-      const T* ks = k_cache.data;
-      const T* vs = v_cache.data;
+      const C* ks = k_cache.data;
+      const C* vs = v_cache.data;
       int bytes = 0;
       if (t < part_end && chunk_in) {
         int blk, off;
@@ -208,12 +289,21 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
 
   const int n_tiles = part_end > part_begin ? (part_end - part_begin + BN - 1) / BN : 0;
   if (n_tiles > 0) {
-    stage(0, part_begin);
-    tc::cp_async_commit();
+    if constexpr (kPrefetch) {
+      fetch(part_begin);
+      store(0);
+    } else if constexpr (!kFp8) {
+      stage(0, part_begin);
+      tc::cp_async_commit();
+    }
   }
   for (int it = 0; it < n_tiles; ++it) {
     const int key0 = part_begin + it * BN;
-    if (it + 1 < n_tiles) {
+    if constexpr (kPrefetch) {
+      if (it + 1 < n_tiles) fetch(key0 + BN);  // in flight during this tile's math
+    } else if constexpr (kFp8) {
+      load_store(it & 1, key0);  // the buffer was last read two tiles ago, before the last barrier
+    } else if (it + 1 < n_tiles) {
       stage((it + 1) & 1, key0 + BN);
       tc::cp_async_commit();
       tc::cp_async_wait<1>();
@@ -307,7 +397,12 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
         }
       }
     }
-    __syncthreads();  // this buffer is staged again two tiles on
+    if constexpr (kPrefetch) {
+      // The other buffer was last read in the previous tile, before this tile's barrier.
+      if (it + 1 < n_tiles) store((it + 1) & 1);
+    } else if constexpr (!kFp8) {
+      __syncthreads();  // this buffer is staged again two tiles on
+    }
   }
 
   // Row sums across the quad.
@@ -323,15 +418,15 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   auto write_pair = [&](int64_t token, int head, int d, float x0, float x1, float lse) {
     if (plan.num_parts == 1) {
       T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
-      out[d] = from_float<T>(x0);
-      out[d + 1] = from_float<T>(x1);
+      out[d] = from_float<T>(x0 * v_scale);
+      out[d + 1] = from_float<T>(x1 * v_scale);
       if (d == 0 && p.lse_out != nullptr) {
         p.lse_out[token * p.lse_token_stride + head * p.lse_head_stride] = lse;
       }
     } else {
       const int64_t slot = (token * p.num_heads + head) * plan.num_parts + part;
-      plan.tmp_out[slot * head_size + d] = x0;
-      plan.tmp_out[slot * head_size + d + 1] = x1;
+      plan.tmp_out[slot * head_size + d] = x0 * v_scale;
+      plan.tmp_out[slot * head_size + d + 1] = x1 * v_scale;
       if (d == 0) plan.tmp_lse[slot] = lse;
     }
   };
@@ -401,11 +496,11 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
 #endif
 }
 
-template <typename T, int HEAD, int WM, int WN, int BN>
+template <typename T, typename C, int HEAD, int WM, int WN, int BN>
 cudaError_t launch_paged_attention_tc(const PagedAttentionParams& p, const AttentionPlan& plan,
                                       cudaStream_t stream) {
   using Cfg = TcConfig<HEAD, WM, WN, BN>;
-  auto kernel = paged_attention_tc_kernel<T, HEAD, WM, WN, BN>;
+  auto kernel = paged_attention_tc_kernel<T, C, HEAD, WM, WN, BN>;
   if (Cfg::kBytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kBytes));
@@ -424,31 +519,42 @@ cudaError_t launch_paged_attention_tc(const PagedAttentionParams& p, const Atten
 
 // Head size and configuration (from the rows per kv head, as the plan's row tiles) to template
 // arguments.
-template <typename T, int HEAD>
+template <typename T, typename C, int HEAD>
 cudaError_t paged_attention_tc_head(const PagedAttentionParams& p, const AttentionPlan& plan,
                                     cudaStream_t stream) {
   constexpr int kPrefillKeys = HEAD <= 64 ? 64 : 32;
   if (attention_tc_block_rows(p) == kAttnTcPrefillRows) {
-    return launch_paged_attention_tc<T, HEAD, kAttnTcPrefillRows / 16, 1, kPrefillKeys>(p, plan,
-                                                                                        stream);
+    return launch_paged_attention_tc<T, C, HEAD, kAttnTcPrefillRows / 16, 1, kPrefillKeys>(
+        p, plan, stream);
   }
   static_assert(kAttnTcDecodeRows == 16, "the decode configuration is one MMA tile");
   if constexpr (HEAD == 256) {
-    return launch_paged_attention_tc<T, HEAD, 1, 2, 32>(p, plan, stream);
+    return launch_paged_attention_tc<T, C, HEAD, 1, 2, 32>(p, plan, stream);
   } else {
-    return launch_paged_attention_tc<T, HEAD, 1, 4, 64>(p, plan, stream);
+    return launch_paged_attention_tc<T, C, HEAD, 1, 4, 64>(p, plan, stream);
+  }
+}
+
+template <typename T, typename C>
+cudaError_t paged_attention_tc_cached(const PagedAttentionParams& p, const AttentionPlan& plan,
+                                      cudaStream_t stream) {
+  switch (attention_padded_head(p.head_size)) {
+    case 64: return paged_attention_tc_head<T, C, 64>(p, plan, stream);
+    case 128: return paged_attention_tc_head<T, C, 128>(p, plan, stream);
+    case 256: return paged_attention_tc_head<T, C, 256>(p, plan, stream);
+    default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T>
 cudaError_t paged_attention_tc_typed(const PagedAttentionParams& p, const AttentionPlan& plan,
                                      cudaStream_t stream) {
-  if (p.cache_dtype != p.dtype) return cudaErrorInvalidValue;
-  switch (attention_padded_head(p.head_size)) {
-    case 64: return paged_attention_tc_head<T, 64>(p, plan, stream);
-    case 128: return paged_attention_tc_head<T, 128>(p, plan, stream);
-    case 256: return paged_attention_tc_head<T, 256>(p, plan, stream);
-    default: return cudaErrorInvalidValue;
+  switch (p.cache_dtype) {
+    case DType::kFp8E4M3: return paged_attention_tc_cached<T, fp8_e4m3>(p, plan, stream);
+    case DType::kFp8E5M2: return paged_attention_tc_cached<T, fp8_e5m2>(p, plan, stream);
+    default:
+      if (p.cache_dtype != p.dtype) return cudaErrorInvalidValue;
+      return paged_attention_tc_cached<T, T>(p, plan, stream);
   }
 }
 
