@@ -29,7 +29,7 @@ std::string address(const void* p) {
   return buf;
 }
 
-// mma and ldmatrix need every lane of the warp: a block whose last warp is partial cannot run them.
+// mma and ldmatrix need every lane of the warp: a partial last warp of a block cannot run them.
 void check_full_warp(Op op) {
   const Thread& t = *current_thread;
   const dim3 d = current_block->dim;
@@ -40,27 +40,33 @@ void check_full_warp(Op op) {
   }
 }
 
-bool overlaps(const unsigned char* p, size_t bytes, const unsigned char* lo, size_t lo_bytes) {
-  return lo != nullptr && p < lo + lo_bytes && p + bytes > lo;
+// Whether [p, p + bytes) meets [lo, lo + lo_bytes) (as integers: p may be anything, even null).
+bool overlaps(const void* p, size_t bytes, const void* lo, size_t lo_bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), l = reinterpret_cast<uintptr_t>(lo);
+  return lo != nullptr && a < l + lo_bytes && a + bytes > l;
+}
+
+// Whether [p, p + bytes) lies inside [lo, lo + lo_bytes).
+bool inside(const void* p, size_t bytes, const void* lo, size_t lo_bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), l = reinterpret_cast<uintptr_t>(lo);
+  return a >= l && a + bytes <= l + lo_bytes;
 }
 
 // A shared-memory operand of `bytes` at p: 16-byte aligned, not on the thread's own stack (a
 // local array), and either inside the dynamic shared memory or clear of it (static __shared__
 // variables cannot be told from global memory here).
 void check_shared(const char* what, const void* p, size_t bytes) {
-  const auto* a = static_cast<const unsigned char*>(p);
   const Thread& t = *current_thread;
   const Block& b = *current_block;
   if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
     fail(what + std::string(": shared address ") + address(p) + " is not 16-byte aligned");
   }
-  if (overlaps(a, bytes, t.stack_lo, size_t(t.stack_hi - t.stack_lo))) {
+  if (overlaps(p, bytes, t.stack_lo, size_t(t.stack_hi - t.stack_lo))) {
     fail(what + std::string(": address ") + address(p) +
          " is on the thread's stack, not in shared memory");
   }
-  const unsigned char* lo = b.dynamic_smem;
-  if (overlaps(a, bytes, lo, b.dynamic_smem_bytes) &&
-      (a < lo || a + bytes > lo + b.dynamic_smem_bytes)) {
+  if (overlaps(p, bytes, b.dynamic_smem, b.dynamic_smem_bytes) &&
+      !inside(p, bytes, b.dynamic_smem, b.dynamic_smem_bytes)) {
     fail(what + std::string(": ") + std::to_string(bytes) + " bytes at " + address(p) +
          " run past the dynamic shared memory (" + std::to_string(b.dynamic_smem_bytes) +
          " bytes)");
@@ -239,23 +245,22 @@ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
                  std::to_string(src_bytes));
   }
   detail::check_shared(what, smem, 16);
-  const auto* src = static_cast<const unsigned char*>(gmem);
   const detail::Block& b = *detail::current_block;
-  const detail::Thread& t = *detail::current_thread;
+  detail::Thread& t = *detail::current_thread;
   if (reinterpret_cast<uintptr_t>(gmem) % 16 != 0) {
     detail::fail(what + std::string(": global address ") + detail::address(gmem) +
                  " is not 16-byte aligned");
   }
-  if (detail::overlaps(src, 16, b.dynamic_smem, b.dynamic_smem_bytes) ||
-      detail::overlaps(src, 16, t.stack_lo, size_t(t.stack_hi - t.stack_lo))) {
+  if (detail::overlaps(gmem, 16, b.dynamic_smem, b.dynamic_smem_bytes) ||
+      detail::overlaps(gmem, 16, t.stack_lo, size_t(t.stack_hi - t.stack_lo))) {
     detail::fail(what + std::string(": the source ") + detail::address(gmem) +
                  " is not global memory");
   }
   std::memset(smem, 0xff, 16);  // poison until the wait_group that lands the copy
-  const detail::RaceIgnore ignore;
-  detail::Thread& self = *detail::current_thread;
-  self.async_copies.push_back(
-      {static_cast<unsigned char*>(smem), src, uint32_t(src_bytes), self.async_committed});
+  const detail::RaceIgnore ignore;  // the thread's queue is the emulator's bookkeeping
+  t.async_copies.push_back(
+      {static_cast<unsigned char*>(smem), static_cast<const unsigned char*>(gmem),
+       uint32_t(src_bytes), t.async_committed});
 }
 
 void cp_async_commit() {

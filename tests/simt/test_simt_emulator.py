@@ -179,8 +179,8 @@ FIRST_THREAD = {
     "mask_excludes_caller": {"forward": 1, "reverse": 31},
     "mma_partial_warp": {"forward": 32, "reverse": 47},
     **{name: {"forward": 0, "reverse": 31} for name in [
-        "cp_async_pending_at_exit", "cp_async_misaligned", "ldmatrix_misaligned",
-        "ldmatrix_local"]},
+        "cp_async_pending_at_exit", "cp_async_misaligned", "ldmatrix_misaligned"]},
+    "ldmatrix_local": {"forward": 0, "reverse": 15},  # x2: lanes 16-31 give no address
 }
 
 
