@@ -9,8 +9,10 @@ The paged_attention suites take `attention_backend` instead: the same backends, 
 and simt the tensor-core kernel forced (PAGEDKV_ATTENTION_KERNEL=tensor_core, names ending in
 -tc) besides the automatic dispatch (docs/cuda_attention.md).
 
-PAGEDKV_TEST_BACKENDS=cpu,simt-forward restricts the list. PAGEDKV_SIMT_SANITIZE=address (`make
-sanitize`) runs simt on the ASan + UBSan build of the emulator module.
+PAGEDKV_TEST_BACKENDS=cpu,simt-forward restricts the list (a name also selects the names it
+prefixes: simt-forward-tc; simt-forward-tc alone runs the attention suites only).
+PAGEDKV_SIMT_SANITIZE=address (`make sanitize`) runs simt on the ASan + UBSan build of the
+emulator module.
 """
 
 from __future__ import annotations
@@ -57,19 +59,26 @@ def available_backends() -> list[Backend]:
     if simt is not None:
         for order in ("forward", "random"):
             backends.append(Backend(f"simt-{order}", torch.device("cpu"), simt.ops, order))
-    wanted = os.environ.get("PAGEDKV_TEST_BACKENDS")
-    if wanted:
-        names = set(wanted.split(","))
-        backends = [b for b in backends if b.name in names or b.name.split("-")[0] in names]
     return backends
 
 
-BACKENDS = available_backends()
+def wanted(backends: list[Backend]) -> list[Backend]:
+    """Those PAGEDKV_TEST_BACKENDS names: a name selects itself and the names it prefixes
+    (simt: simt-forward, simt-random-tc, ...)."""
+    names = os.environ.get("PAGEDKV_TEST_BACKENDS")
+    if not names:
+        return backends
+    names = names.split(",")
+    return [b for b in backends if any(b.name == n or b.name.startswith(n + "-") for n in names)]
+
+
+ALL_BACKENDS = available_backends()
+BACKENDS = wanted(ALL_BACKENDS)
 # The CUDA-source backends once more with the tensor-core attention kernel forced.
-ATTENTION_BACKENDS = BACKENDS + [
+ATTENTION_BACKENDS = wanted(ALL_BACKENDS + [
     replace(b, name=f"{b.name}-tc", attention_kernel="tensor_core")
-    for b in BACKENDS if b.name == "cuda" or b.simt_order is not None
-]
+    for b in ALL_BACKENDS if b.name == "cuda" or b.simt_order is not None
+])
 
 
 def _use(b: Backend, monkeypatch) -> Backend:

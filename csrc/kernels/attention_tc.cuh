@@ -91,7 +91,13 @@ __device__ __forceinline__ uint4 dequantize8(uint2 raw) {
   for (int i = 0; i < 4; ++i) {
     const uint32_t word = i < 2 ? raw.x : raw.y;
     const auto pair = static_cast<__nv_fp8x2_storage_t>((word >> (16 * (i % 2))) & 0xffffu);
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, kind);
+    __half2_raw h;
+    if constexpr (kind == __NV_E5M2) {  // an e5m2 byte is the high byte of its float16
+      h.x = static_cast<unsigned short>((pair & 0xffu) << 8);
+      h.y = static_cast<unsigned short>(pair & 0xff00u);
+    } else {
+      h = __nv_cvt_fp8x2_to_halfraw2(pair, kind);
+    }
     if constexpr (std::is_same_v<T, __half>) {
       w[i] = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
     } else {

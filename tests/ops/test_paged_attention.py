@@ -45,9 +45,19 @@ def backend(attention_backend):
     return attention_backend
 
 
+def auto_picks_tensor_cores(case: Case) -> bool:
+    """Whether automatic dispatch runs a case (aligned caches) on the tensor-core kernel: 16-bit
+    queries and at least 8 (query token, query head) rows per kv head (docs/cuda_attention.md)."""
+    rows = max(case.q_lens or (1,)) * (case.num_heads // case.num_kv_heads)
+    return case.dtype != torch.float32 and rows >= 8
+
+
 def run(backend, case: Case, **extra) -> dict:
-    if backend.attention_kernel == "tensor_core" and case.dtype == torch.float32:
-        pytest.skip("float32 queries run on the CUDA-core kernel: the automatic backend's run")
+    if backend.attention_kernel == "tensor_core":  # a -tc backend: what auto does not run so
+        if case.dtype == torch.float32:
+            pytest.skip("float32 queries run on the CUDA-core kernel: the automatic backend's run")
+        if auto_picks_tensor_cores(case):
+            pytest.skip("automatic dispatch runs this case on the tensor-core kernel already")
     args = make_args(case.with_(extra=extra) if extra else case, backend.device)
     call(backend.ops.paged_attention, args)
     check(args)
@@ -317,6 +327,8 @@ def test_kernel_dispatch(backend, name, monkeypatch):
     assert _same(auto, tensor_core if want == "tensor_core" else cuda_core)
     monkeypatch.delenv("PAGEDKV_ATTENTION_KERNEL")
     assert _same(rerun(backend, auto), auto)  # unset is auto
+    if "unaligned" not in name:
+        assert auto_picks_tensor_cores(case) == (want == "tensor_core")  # the -tc backends' skip
 
 
 def test_kernel_switch_refuses_unknown_names(backend, monkeypatch):
