@@ -125,6 +125,32 @@ def test_varlen_long_prefill(backend, dtype):
                       num_kv_heads=2, dtype=dtype, sliding_window=100, soft_cap=30.0))
 
 
+# Shapes aimed at the tensor-core kernel's tiling (automatic dispatch runs them there): several
+# 64-row tiles, head sizes below the padded one, odd block sizes, fp8 at head 256 (its loads at
+# the tile start), a full 16-row decode tile, key tiles and split-K partitions cut mid-block.
+TC_TILES = {
+    "f16 h24 bs3 nhd 3 row tiles": Case(dtype=torch.float16, head_size=24, block_size=3,
+                                        layout="nhd", seq_lens=(70, 33), q_lens=(40, 33)),
+    "bf16 h80 bs5 combined group 8": Case(dtype=torch.bfloat16, head_size=80, block_size=5,
+                                          layout="combined", seq_lens=(130, 7), q_lens=(1, 7),
+                                          num_heads=16),
+    "bf16 h256 e4m3 prefill": Case(dtype=torch.bfloat16, head_size=256,
+                                   cache_dtype=torch.float8_e4m3fn, seq_lens=(90, 20),
+                                   q_lens=(30, 2), alibi=True),
+    "f16 h256 e5m2 decode group 8": Case(dtype=torch.float16, head_size=256,
+                                         cache_dtype=torch.float8_e5m2, seq_lens=(1, 100, 37),
+                                         num_heads=16),
+    "bf16 h192 decode group 16": Case(dtype=torch.bfloat16, head_size=192, num_heads=16,
+                                      num_kv_heads=1, seq_lens=(300, 1, 65), alibi=True,
+                                      sliding_window=50, soft_cap=10.0),
+}
+
+
+@pytest.mark.parametrize("name", TC_TILES)
+def test_tensor_core_tiles(backend, name):
+    run(backend, TC_TILES[name])
+
+
 @pytest.mark.parametrize("feature", ["plain", "all"])
 def test_long_context_one_sequence(backend, feature):
     """One long sequence and one kv head: the CPU splits the keys and merges the parts."""
