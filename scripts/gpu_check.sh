@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # GPU check for a machine with one NVIDIA GPU (written for an H200, sm_90), a few minutes end to
 # end: build the extension for the local GPU, run the whole test suite on the cuda backend, then
-# the CUDA attention benchmark, the SASS model's estimate of each measured decode row
-# (bench_gpu_model --join: the model's calibration) and, where ncu is installed and may read the
-# counters, the instructions and DRAM bytes of one decode launch (docs/gpu_model.md). Every step
-# is logged under LOGDIR and bounded by a timeout.
+# the CUDA attention benchmark, the CUDA-core and tensor-core kernels side by side
+# (bench.bench_attention_tc: chunked prefill TFLOPS and fraction of the dense bf16 peak, GQA-8
+# decode GB/s and fraction of the copy bandwidth), the SASS model's estimate of each measured
+# decode row (bench_gpu_model --join: the model's calibration) and, where ncu is installed and may
+# read the counters, the instructions and DRAM bytes of one decode launch (docs/gpu_model.md).
+# Every step is logged under LOGDIR and bounded by a timeout.
 #
 #   scripts/gpu_check.sh LOGDIR [STEP...]
 #
@@ -71,6 +73,8 @@ if wants bench; then
   rm -f bench/results/attention_cuda.json  # the model joins this run's rows only
   step bench "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_attention_cuda || true
   cp bench/results/attention_cuda.json "$LOGDIR/" 2>/dev/null || true
+  step bench_tc "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_attention_tc || true
+  cp bench/results/attention_tc.json "$LOGDIR/" 2>/dev/null || true
 fi
 if wants model && [ -f bench/results/attention_cuda.json ]; then
   step model "${MODEL_TIMEOUT:-180}" "$PYTHON" -m bench.bench_gpu_model --devices a100-80gb,h100,h200 \

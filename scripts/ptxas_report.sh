@@ -4,7 +4,8 @@
 #
 #   scripts/ptxas_report.sh [file.cu ...]     (default: csrc/cuda/attention_*.cu)
 #
-# Exits non-zero when a paged_attention kernel spills on sm_90.
+# Exits non-zero when a paged_attention kernel spills on sm_90, or a tensor-core one
+# (paged_attention_tc_kernel) on any arch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-nvcc}
@@ -49,12 +50,14 @@ def short(n):
     n = n.replace("pagedkv::", "").replace("__nv_bfloat16", "bf16").replace("__half", "half")
     return re.sub(r"\(.*\)$", "", n)
 print(f"{'arch':6} {'regs':>4} {'smem':>5} {'spill st/ld':>11}  kernel (static smem; dynamic smem is"
-      " DecodeSmem<HEAD>::kBytes)")
+      " DecodeSmem<HEAD>::kBytes, TcConfig<HEAD, WM, WN, BN>::kBytes for the tensor-core ones)")
 bad = 0
 for r, n in zip(rows, names):
     print(f"{r[0]:6} {r[2]:4d} {r[3]:5d} {r[4]:5d}/{r[5]:<5d}  {short(n)}")
-    if r[0] == "sm_90" and "paged_attention_kernel" in n and (r[4] or r[5]):
+    checked = ("paged_attention_kernel" in n and r[0] == "sm_90") or "paged_attention_tc_kernel" in n
+    if checked and (r[4] or r[5]):
         bad += 1
-print(f"\n{len(rows)} kernels; {bad} paged_attention kernels spill on sm_90")
+print(f"\n{len(rows)} kernels; {bad} paged_attention kernels spill (any on sm_90, tensor-core"
+      " ones on any arch)")
 sys.exit(1 if bad else 0)
 PY

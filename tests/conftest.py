@@ -5,14 +5,20 @@ cuda  the CUDA kernels (torch.ops.pagedkv on CUDA tensors), when a GPU is presen
 simt  the CUDA kernel source run by the emulator (torch.ops.pagedkv_simt on CPU tensors),
       in two fiber orders (forward, and random with a fixed seed)
 
-PAGEDKV_TEST_BACKENDS=cpu,simt-forward restricts the list. PAGEDKV_SIMT_SANITIZE=address (`make
-sanitize`) runs simt on the ASan + UBSan build of the emulator module.
+The paged_attention suites take `attention_backend` instead: the same backends, plus for cuda
+and simt the tensor-core kernel forced (PAGEDKV_ATTENTION_KERNEL=tensor_core, names ending in
+-tc) besides the automatic dispatch (docs/cuda_attention.md).
+
+PAGEDKV_TEST_BACKENDS=cpu,simt-forward restricts the list (a name also selects the names it
+prefixes: simt-forward-tc; simt-forward-tc alone runs the attention suites only).
+PAGEDKV_SIMT_SANITIZE=address (`make sanitize`) runs simt on the ASan + UBSan build of the
+emulator module.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -31,6 +37,7 @@ class Backend:
     device: torch.device
     ops: Any  # a torch.ops namespace with the pagedkv schemas
     simt_order: str | None = None
+    attention_kernel: str | None = None  # PAGEDKV_ATTENTION_KERNEL for the test; None: as set
 
     def __str__(self) -> str:
         return self.name
@@ -52,23 +59,45 @@ def available_backends() -> list[Backend]:
     if simt is not None:
         for order in ("forward", "random"):
             backends.append(Backend(f"simt-{order}", torch.device("cpu"), simt.ops, order))
-    wanted = os.environ.get("PAGEDKV_TEST_BACKENDS")
-    if wanted:
-        names = set(wanted.split(","))
-        backends = [b for b in backends if b.name in names or b.name.split("-")[0] in names]
     return backends
 
 
-BACKENDS = available_backends()
+def wanted(backends: list[Backend]) -> list[Backend]:
+    """Those PAGEDKV_TEST_BACKENDS names: a name selects itself and the names it prefixes
+    (simt: simt-forward, simt-random-tc, ...)."""
+    names = os.environ.get("PAGEDKV_TEST_BACKENDS")
+    if not names:
+        return backends
+    names = names.split(",")
+    return [b for b in backends if any(b.name == n or b.name.startswith(n + "-") for n in names)]
 
 
-@pytest.fixture(params=BACKENDS, ids=str)
-def backend(request) -> Backend:
-    b: Backend = request.param
+ALL_BACKENDS = available_backends()
+BACKENDS = wanted(ALL_BACKENDS)
+# The CUDA-source backends once more with the tensor-core attention kernel forced.
+ATTENTION_BACKENDS = wanted(ALL_BACKENDS + [
+    replace(b, name=f"{b.name}-tc", attention_kernel="tensor_core")
+    for b in ALL_BACKENDS if b.name == "cuda" or b.simt_order is not None
+])
+
+
+def _use(b: Backend, monkeypatch) -> Backend:
     if b.simt_order is not None:
         simt = _simt_module()
         simt.set_order(b.simt_order, seed=1234)
+    if b.attention_kernel is not None:
+        monkeypatch.setenv("PAGEDKV_ATTENTION_KERNEL", b.attention_kernel)
     return b
+
+
+@pytest.fixture(params=BACKENDS, ids=str)
+def backend(request, monkeypatch) -> Backend:
+    return _use(request.param, monkeypatch)
+
+
+@pytest.fixture(params=ATTENTION_BACKENDS, ids=str)
+def attention_backend(request, monkeypatch) -> Backend:
+    return _use(request.param, monkeypatch)
 
 
 @pytest.fixture(autouse=True)

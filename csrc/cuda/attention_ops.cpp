@@ -1,5 +1,6 @@
 // CUDA backend of the attention ops (their checks: csrc/ops/): device guard, current stream,
-// split-K plan from host integers and the device's SM count, workspace from the caching
+// kernel choice (CUDA-core or tensor-core: glue/attention_kernel.h), split-K plan from host
+// integers and the device's SM count and compute capability, workspace from the caching
 // allocator, launch. No host sync and no host read of device data, so both ops work under CUDA
 // graph capture.
 #include <c10/cuda/CUDAException.h>
@@ -10,7 +11,7 @@
 #include <array>
 #include <atomic>
 
-#include "glue/attention_plan.h"
+#include "glue/attention_kernel.h"
 #include "kernels/attention_launch.h"
 #include "ops/merge_attn_states.h"
 #include "ops/paged_attention.h"
@@ -30,13 +31,29 @@ int sm_count(c10::DeviceIndex device) {
   return n;
 }
 
+// Compute capability major of a device, asked once per device.
+int sm_major(c10::DeviceIndex device) {
+  static std::array<std::atomic<int>, 64> cache{};
+  std::atomic<int>& slot = cache.at(static_cast<size_t>(device));
+  int n = slot.load();
+  if (n == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, device));
+    slot.store(n);
+  }
+  return n;
+}
+
 void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   check_attention_kernel_exists(p, "cuda");
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor workspace;
-  const AttentionPlan plan =
-      attention_plan(p, query, sm_count(query.device().index()), kAttnMinPartTokens, workspace);
-  C10_CUDA_CHECK(cuda::paged_attention(p, plan, c10::cuda::getCurrentCUDAStream()));
+  const c10::DeviceIndex device = query.device().index();
+  const AttentionLaunch run = attention_launch(p, query, sm_count(device), sm_major(device),
+                                               kAttnMinPartTokens, workspace);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(run.kernel == AttentionKernel::kTensorCore
+                     ? cuda::paged_attention_tc(p, run.plan, stream)
+                     : cuda::paged_attention(p, run.plan, stream));
 }
 
 void merge_attn_states(const MergeAttnParams& p, const at::Tensor& out) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 #include <vector_types.h>
@@ -33,8 +34,20 @@ int workers();
 namespace detail {
 
 // What a thread is doing when it is not running: the collective it waits in, or exited.
+// The matrix ops (tensor_core.h) are warp collectives of the full warp, one per variant.
 enum class Op : uint8_t {
-  running, syncthreads, syncwarp, shfl, shfl_up, shfl_down, shfl_xor, ballot, any, all, exited
+  running, syncthreads, syncwarp, shfl, shfl_up, shfl_down, shfl_xor, ballot, any, all, exited,
+  mma_f16, mma_bf16,
+  ldmatrix_x1, ldmatrix_x2, ldmatrix_x4, ldmatrix_x1_trans, ldmatrix_x2_trans, ldmatrix_x4_trans
+};
+
+// A cp.async issued and not yet landed: `group` is the commit group it belongs to (equal to
+// the thread's committed count while its group is still open).
+struct AsyncCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  uint32_t src_bytes;
+  uint32_t group;
 };
 
 struct Thread {
@@ -42,10 +55,14 @@ struct Thread {
   unsigned linear;    // x + y * dim.x + z * dim.x * dim.y
   Op op = Op::running;
   unsigned mask = 0;  // warp collective participants (lane bits)
-  uint64_t value = 0; // this lane's operand (raw bits), or barrier predicate
+  uint64_t value = 0; // operand (raw bits), matrix op lane record address, or predicate
   int arg = 0;        // source lane / delta / lane mask
   int width = 32;
   uint64_t result = 0;
+  const unsigned char* stack_lo = nullptr;  // the fiber's stack [stack_lo, stack_hi)
+  const unsigned char* stack_hi = nullptr;
+  std::vector<AsyncCopy> async_copies;  // pending cp.async, oldest first
+  uint32_t async_committed = 0;         // cp.async.commit_group count
 };
 
 struct Block {
@@ -53,6 +70,7 @@ struct Block {
   dim3 dim;   // blockDim
   dim3 grid;  // gridDim
   unsigned char* dynamic_smem = nullptr;
+  size_t dynamic_smem_bytes = 0;
 };
 
 extern thread_local Thread* current_thread;

@@ -26,6 +26,8 @@ uint64_t splitmix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
+}  // namespace
+
 const char* op_name(Op op) {
   switch (op) {
     case Op::running: return "running";
@@ -39,11 +41,22 @@ const char* op_name(Op op) {
     case Op::any: return "__any_sync";
     case Op::all: return "__all_sync";
     case Op::exited: return "exited";
+    case Op::mma_f16: return "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32";
+    case Op::mma_bf16: return "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32";
+    case Op::ldmatrix_x1: return "ldmatrix.sync.aligned.m8n8.x1.shared.b16";
+    case Op::ldmatrix_x2: return "ldmatrix.sync.aligned.m8n8.x2.shared.b16";
+    case Op::ldmatrix_x4: return "ldmatrix.sync.aligned.m8n8.x4.shared.b16";
+    case Op::ldmatrix_x1_trans: return "ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16";
+    case Op::ldmatrix_x2_trans: return "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16";
+    case Op::ldmatrix_x4_trans: return "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16";
   }
   return "?";
 }
 
+namespace {
+
 bool is_warp_op(Op op) { return op != Op::running && op != Op::syncthreads && op != Op::exited; }
+bool is_matrix_op(Op op) { return op >= Op::mma_f16; }
 
 std::string hex(unsigned mask) {
   char buf[16];
@@ -98,13 +111,21 @@ void BlockRunner::run(const LaunchInfo& launch, uint3 idx, uint64_t block_linear
     smem_bytes_ = launch.smem;
   }
   if (smem_bytes_) std::memset(smem_.get(), 0xff, smem_bytes_);
-  block_ = Block{idx, d, launch.grid, smem_.get()};
-  threads_.assign(n, Thread{});
+  block_ = Block{idx, d, launch.grid, smem_.get(), smem_bytes_};
+  threads_.resize(n);
   contexts_.resize(n);
   for (unsigned i = 0; i < n; ++i) {
-    threads_[i].idx = uint3{i % d.x, i / d.x % d.y, i / (d.x * d.y)};
-    threads_[i].linear = i;
-    make_context(&contexts_[i], stacks_.stack(i), StackPool::kStackBytes, &fiber_main);
+    Thread& t = threads_[i];
+    std::vector<AsyncCopy> copies = std::move(t.async_copies);  // keeps its capacity
+    copies.clear();
+    t = Thread{};
+    t.async_copies = std::move(copies);
+    t.idx = uint3{i % d.x, i / d.x % d.y, i / (d.x * d.y)};
+    t.linear = i;
+    auto* stack = static_cast<unsigned char*>(stacks_.stack(i));
+    t.stack_lo = stack;
+    t.stack_hi = stack + StackPool::kStackBytes;
+    make_context(&contexts_[i], stack, StackPool::kStackBytes, &fiber_main);
   }
   warp_waiting_.assign((n + 31) / 32, 0);
   exited_ = at_barrier_ = 0;
@@ -143,7 +164,10 @@ void BlockRunner::fiber_main() {
   Thread& t = *current_thread;
   race_acquire(&r.block_start_);
   try {
-    if (!r.abandoning_) r.launch_->body(r.launch_->context);
+    if (!r.abandoning_) {
+      r.launch_->body(r.launch_->context);
+      check_no_pending_copies(t);
+    }
   } catch (const Abandon&) {
   } catch (...) {
     r.error_ = std::current_exception();
@@ -260,6 +284,13 @@ void BlockRunner::resolve_warp(unsigned base, unsigned mask, Op op) {
     ids_.push_back(base + l);
   }
   warp_waiting_[base / 32] -= unsigned(ids_.size());
+  if (is_matrix_op(op)) {  // the full warp (checked at the call): lane records by address
+    void* lanes[32];
+    for (unsigned l = 0; l < 32; ++l) {
+      lanes[l] = reinterpret_cast<void*>(uintptr_t(threads_[base + l].value));
+    }
+    resolve_matrix_op(op, lanes);
+  }
   for (unsigned id : ids_) {
     Thread& u = threads_[id];
     const int src = source_lane(u, id - base);
@@ -268,7 +299,12 @@ void BlockRunner::resolve_warp(unsigned base, unsigned mask, Op op) {
       case Op::any: u.result = ballot != 0; break;
       case Op::all: u.result = ballot == (uint64_t)mask; break;
       case Op::syncwarp: u.result = 0; break;
-      default: u.result = mask >> src & 1u ? threads_[base + unsigned(src)].value : kUndefined;
+      default:
+        if (is_matrix_op(op)) {
+          u.result = 0;  // results went to the lane records
+        } else {
+          u.result = mask >> src & 1u ? threads_[base + unsigned(src)].value : kUndefined;
+        }
     }
   }
   make_ready(ids_);

@@ -25,6 +25,13 @@ struct LaunchInfo {
 };
 
 std::string kernel_name(const void* kernel);
+const char* op_name(Op op);  // "__syncthreads", "__shfl_sync", "ldmatrix.sync...", ...
+
+// Computes a matrix op (Op::mma_*, Op::ldmatrix_*) of a full warp: lanes[l] is lane l's record,
+// which the op reads its operands from and writes its results to (tensor_core.cpp).
+void resolve_matrix_op(Op op, void* const lanes[32]);
+// Raises simt::Error when thread `t` ends with cp.async copies pending (tensor_core.cpp).
+void check_no_pending_copies(const Thread& t);
 
 class BlockRunner {
  public:

@@ -4,7 +4,8 @@
 // It defines the CUDA keywords before any CUDA header (crt/host_defines.h keeps definitions it
 // finds), includes the host-usable CUDA headers (half, bfloat16, fp8, vector types, runtime API
 // types), then provides what only nvcc would: threadIdx & co, barriers, warp collectives,
-// atomics, __ldg, fast-math and bit intrinsics, and the half math missing on the host.
+// atomics, __ldg, fast-math and bit intrinsics, the half math missing on the host, and the
+// tensor-core instructions that kernels reach through kernels/tensor_core.cuh.
 #pragma once
 
 #ifdef __CUDACC__
@@ -33,6 +34,7 @@
 #include "simt/device_functions.h"
 #include "simt/half_math.h"
 #include "simt/runtime.h"
+#include "simt/tensor_core.h"
 
 // A failed assert in a kernel raises simt::Error (glibc's assert would abort the process).
 // A header that includes <cassert> after this one brings back the aborting version.

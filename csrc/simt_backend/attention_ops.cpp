@@ -6,7 +6,7 @@
 
 #include <cstdlib>
 
-#include "glue/attention_plan.h"
+#include "glue/attention_kernel.h"
 #include "kernels/attention_launch.h"
 #include "ops/merge_attn_states.h"
 #include "ops/paged_attention.h"
@@ -32,9 +32,11 @@ void check(cudaError_t err, const char* op) {
 void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   check_attention_kernel_exists(p, "simt");
   at::Tensor workspace;
-  const AttentionPlan plan =
-      attention_plan(p, query, kSimtSmCount, simt_min_part_tokens(), workspace);
-  check(simt::paged_attention(p, plan, nullptr), "paged_attention");
+  const AttentionLaunch run =
+      attention_launch(p, query, kSimtSmCount, -1, simt_min_part_tokens(), workspace);
+  check(run.kernel == AttentionKernel::kTensorCore ? simt::paged_attention_tc(p, run.plan, nullptr)
+                                                   : simt::paged_attention(p, run.plan, nullptr),
+        "paged_attention");
 }
 
 void merge_attn_states(const MergeAttnParams& p, const at::Tensor&) {

@@ -60,8 +60,12 @@ def step(t: dict[str, torch.Tensor]) -> None:
                         max_query_len=1, scale=HEAD_SIZE**-0.5, lse_out=t["lse_out"])
 
 
+@pytest.mark.parametrize("kernel", ["auto", "tensor_core"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_decode_step_replays_like_eager(dtype):
+def test_decode_step_replays_like_eager(dtype, kernel, monkeypatch):
+    """Under automatic dispatch (the CUDA-core kernel for this group of 4) and with the
+    tensor-core kernel forced (PAGEDKV_ATTENTION_KERNEL, read at capture)."""
+    monkeypatch.setenv("PAGEDKV_ATTENTION_KERNEL", kernel)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     cache_shape = (NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)

@@ -143,9 +143,10 @@ def test_strided_lse(backend):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("split", [16, 48, 112])
-def test_merging_the_halves_of_a_context(backend, dtype, split):
+def test_merging_the_halves_of_a_context(attention_backend, dtype, split):
     """Decode over keys [0, split) and [split, L) as two sequences (split at a block boundary),
-    merged, against decode over the whole context."""
+    merged, against decode over the whole context (each attention kernel: attention_backend)."""
+    backend = attention_backend
     dev = backend.device
     whole = make_args(Case(seq_lens=(130, 130), num_heads=8, num_kv_heads=2, block_size=16,
                            dtype=dtype), dev)

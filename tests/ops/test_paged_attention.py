@@ -1,5 +1,7 @@
 """paged_attention on every backend against pagedkv.ops.reference (float64 oracle, float32 as the
-measure of torch's own error). The grids are module-level lists: trim them for slow backends."""
+measure of torch's own error), on cuda and simt with automatic kernel dispatch and with the
+tensor-core kernel forced (the -tc backends). The grids are module-level lists: trim them for slow
+backends."""
 
 from __future__ import annotations
 
@@ -37,7 +39,25 @@ VARLEN = ((1, 40, 97, 33, 64, 5), (1, 40, 9, 33, 1, 2))
 DECODE = Case()
 
 
+@pytest.fixture
+def backend(attention_backend):
+    """Every backend, cuda and simt also with the tensor-core kernel forced (conftest.py)."""
+    return attention_backend
+
+
+def auto_picks_tensor_cores(case: Case) -> bool:
+    """Whether automatic dispatch runs a case (aligned caches) on the tensor-core kernel: 16-bit
+    queries and at least 8 (query token, query head) rows per kv head (docs/cuda_attention.md)."""
+    rows = max(case.q_lens or (1,)) * (case.num_heads // case.num_kv_heads)
+    return case.dtype != torch.float32 and rows >= 8
+
+
 def run(backend, case: Case, **extra) -> dict:
+    if backend.attention_kernel == "tensor_core":  # a -tc backend: what auto does not run so
+        if case.dtype == torch.float32:
+            pytest.skip("float32 queries run on the CUDA-core kernel: the automatic backend's run")
+        if auto_picks_tensor_cores(case):
+            pytest.skip("automatic dispatch runs this case on the tensor-core kernel already")
     args = make_args(case.with_(extra=extra) if extra else case, backend.device)
     call(backend.ops.paged_attention, args)
     check(args)
@@ -105,6 +125,32 @@ def test_varlen_long_prefill(backend, dtype):
                       num_kv_heads=2, dtype=dtype, sliding_window=100, soft_cap=30.0))
 
 
+# Shapes aimed at the tensor-core kernel's tiling (automatic dispatch runs them there): several
+# 64-row tiles, head sizes below the padded one, odd block sizes, fp8 at head 256 (its loads at
+# the tile start), a full 16-row decode tile, key tiles and split-K partitions cut mid-block.
+TC_TILES = {
+    "f16 h24 bs3 nhd 3 row tiles": Case(dtype=torch.float16, head_size=24, block_size=3,
+                                        layout="nhd", seq_lens=(70, 33), q_lens=(40, 33)),
+    "bf16 h80 bs5 combined group 8": Case(dtype=torch.bfloat16, head_size=80, block_size=5,
+                                          layout="combined", seq_lens=(130, 7), q_lens=(1, 7),
+                                          num_heads=16),
+    "bf16 h256 e4m3 prefill": Case(dtype=torch.bfloat16, head_size=256,
+                                   cache_dtype=torch.float8_e4m3fn, seq_lens=(90, 20),
+                                   q_lens=(30, 2), alibi=True),
+    "f16 h256 e5m2 decode group 8": Case(dtype=torch.float16, head_size=256,
+                                         cache_dtype=torch.float8_e5m2, seq_lens=(1, 100, 37),
+                                         num_heads=16),
+    "bf16 h192 decode group 16": Case(dtype=torch.bfloat16, head_size=192, num_heads=16,
+                                      num_kv_heads=1, seq_lens=(300, 1, 65), alibi=True,
+                                      sliding_window=50, soft_cap=10.0),
+}
+
+
+@pytest.mark.parametrize("name", TC_TILES)
+def test_tensor_core_tiles(backend, name):
+    run(backend, TC_TILES[name])
+
+
 @pytest.mark.parametrize("feature", ["plain", "all"])
 def test_long_context_one_sequence(backend, feature):
     """One long sequence and one kv head: the CPU splits the keys and merges the parts."""
@@ -155,6 +201,15 @@ def test_strided_query_out_and_lse(backend):
     check(args)
 
 
+def misalign_cache_rows(args: dict) -> None:
+    """The caches of CPU args moved one element off their alignment (a slice of a wider row)."""
+    for name in ("key_cache", "value_cache"):
+        cache = args[name]
+        wide = torch.zeros(*cache.shape[:3], cache.shape[3] + 1, dtype=cache.dtype)
+        wide[..., 1:] = cache
+        args[name] = wide[..., 1:]
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
                          ids=str)
 def test_unaligned_cache_rows(backend, cache_dtype):
@@ -163,11 +218,7 @@ def test_unaligned_cache_rows(backend, cache_dtype):
     dtype = torch.bfloat16 if cache_dtype in FP8_DTYPES else cache_dtype
     args = make_args(Case(seq_lens=(1, 17, 100), q_lens=(1, 3, 2), dtype=dtype,
                           cache_dtype=cache_dtype, alibi=True))
-    for name in ("key_cache", "value_cache"):
-        cache = args[name]
-        wide = torch.zeros(*cache.shape[:3], cache.shape[3] + 1, dtype=cache.dtype)
-        wide[..., 1:] = cache
-        args[name] = wide[..., 1:]
+    misalign_cache_rows(args)
     args = to_device(args, backend.device)
     call(backend.ops.paged_attention, args)
     check(args)
@@ -246,6 +297,75 @@ def test_compiles_fullgraph(backend):
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     compiled(args["query"], args["out"], args["lse_out"])
     check(args)
+
+
+# --- kernel dispatch on cuda and simt: PAGEDKV_ATTENTION_KERNEL and the automatic rule ---------
+
+# (case, kernel that automatic dispatch picks): the tensor-core kernel from 8 (query token, query
+# head) rows per kv head on, for 16-bit queries with a cache of their dtype or fp8, rows aligned.
+DISPATCH = {
+    "bf16 decode group 4": (Case(dtype=torch.bfloat16), "cuda_core"),
+    "bf16 decode group 8": (Case(dtype=torch.bfloat16, num_heads=16), "tensor_core"),
+    "f16 chunks group 4": (Case(dtype=torch.float16, seq_lens=(9, 40), q_lens=(2, 7)),
+                           "tensor_core"),
+    "bf16 head 256 prefill": (Case(dtype=torch.bfloat16, head_size=256, seq_lens=(40, 3),
+                                   q_lens=(24, 1)), "tensor_core"),
+    "f32 chunks": (Case(seq_lens=(9, 40), q_lens=(2, 7)), "cuda_core"),
+    "fp8 cache chunks": (Case(dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
+                              seq_lens=(9, 40), q_lens=(2, 7)), "tensor_core"),
+    "f16 fp8 e5m2 decode group 4": (Case(dtype=torch.float16, cache_dtype=torch.float8_e5m2),
+                                    "cuda_core"),
+    "bf16 unaligned rows": (Case(dtype=torch.bfloat16, seq_lens=(9, 40), q_lens=(2, 7)),
+                            "cuda_core"),
+}
+
+
+def _with_kernel(backend, args, kernel, monkeypatch) -> dict:
+    monkeypatch.setenv("PAGEDKV_ATTENTION_KERNEL", kernel)
+    again = rerun(backend, args)
+    check(again)
+    return again
+
+
+def _same(a: dict, b: dict) -> bool:
+    return torch.equal(a["out"], b["out"]) and torch.equal(a["lse_out"], b["lse_out"])
+
+
+@pytest.mark.parametrize("name", DISPATCH)
+def test_kernel_dispatch(backend, name, monkeypatch):
+    """Forced kernels differ in their rounding (the tensor-core one rounds P to the query dtype),
+    so which kernel ran shows in the bits: auto must match the kernel the rule names, and forcing
+    the tensor-core kernel on a call it does not support must run the CUDA-core one."""
+    if backend.name == "cpu" or backend.attention_kernel is not None:
+        pytest.skip("the CUDA-source backends, once each")
+    case, want = DISPATCH[name]
+    monkeypatch.setenv("PAGEDKV_ATTENTION_KERNEL", "auto")
+    auto = make_args(case)
+    if "unaligned" in name:
+        misalign_cache_rows(auto)
+    auto = to_device(auto, backend.device)
+    call(backend.ops.paged_attention, auto)
+    check(auto)
+    cuda_core = _with_kernel(backend, auto, "cuda_core", monkeypatch)
+    tensor_core = _with_kernel(backend, auto, "tensor_core", monkeypatch)
+    supported = case.dtype != torch.float32 and "unaligned" not in name
+    assert _same(cuda_core, tensor_core) != supported
+    assert _same(auto, tensor_core if want == "tensor_core" else cuda_core)
+    monkeypatch.delenv("PAGEDKV_ATTENTION_KERNEL")
+    assert _same(rerun(backend, auto), auto)  # unset is auto
+    if "unaligned" not in name:
+        assert auto_picks_tensor_cores(case) == (want == "tensor_core")  # the -tc backends' skip
+
+
+def test_kernel_switch_refuses_unknown_names(backend, monkeypatch):
+    if backend.name == "cpu" or backend.attention_kernel is not None:
+        pytest.skip("the CUDA-source backends, once each")
+    args = make_args(Case(seq_lens=(5, 20), q_lens=(2, 3), dtype=torch.bfloat16), backend.device)
+    monkeypatch.setenv("PAGEDKV_ATTENTION_KERNEL", "tensor_cores")
+    with pytest.raises(ValueError, match="PAGEDKV_ATTENTION_KERNEL must be one of auto "
+                                         "cuda_core tensor_core, got 'tensor_cores'"):
+        call(backend.ops.paged_attention, args)
+    assert args["out"].isnan().all() and args["lse_out"].isnan().all()
 
 
 # --- bad input: a clear error naming the argument, before anything is written -----------------

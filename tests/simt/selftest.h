@@ -58,6 +58,25 @@ void missing_barrier(const float* in, float* out, int n);
 void read_past_end(const float* x, float* out, int n);
 void misaligned_vector_load(const void* x, float* out);
 
+// Tensor-core instructions (kernels/tensor_core.cuh), one warp unless said otherwise.
+// ldmatrix .x{num}[.trans] of the matrices m [32, 8] (matrix i is rows 8i..8i+7) staged at
+// scattered shared rows: out [32, 4] = each lane's registers (the first num of each row).
+void ldmatrix_fragments(const uint16_t* m, uint32_t* out, int num, bool trans);
+// mma.m16n8k16 (bf16 or f16) on registers as given: a [32, 4], b [32, 2] (packed pairs),
+// c [32, 4] -> d [32, 4], each lane's. permute 1 and 2 are kernels with a wrong fragment mapping.
+void mma_fragments(const uint32_t* a, const uint32_t* b, const float* c, float* d, bool bf16,
+                   int permute);
+// c [m, n] float = a [m, k] x b (bf16 or f16; b [n, k], or [k, n] with b_kn) with cp.async
+// double buffering, ldmatrix and mma; n, k multiples of 16. wait_after_use: the kernel computes
+// on a stage before its cp.async.wait_group (reads the poison).
+void tile_matmul(const void* a, const void* b, float* c, int m, int n, int k, bool bf16,
+                 bool b_kn, bool wait_after_use);
+// cp.async groups: src [32, 4] 16-byte chunks; each lane copies its 4 to shared memory (chunk 2
+// with src_bytes 0, chunk 3 with 8 and left uncommitted) and snapshots them: out [32, 7] =
+// chunk 0 before any wait, 0 and 1 after wait_group 2, 1 after 1, 2 and 3 after 0, 3 after a
+// commit and wait_group 0.
+void cp_async_groups(const void* src, void* out);
+
 // Launches the faulty kernel `name` (see fault_names()); always throws simt::Error.
 void run_fault(const std::string& name);
 std::vector<std::string> fault_names();

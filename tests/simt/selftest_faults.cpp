@@ -2,9 +2,12 @@
 #include <map>
 
 #include "kernels/compat.cuh"
+#include "kernels/tensor_core.cuh"
 #include "selftest.h"
 
 namespace simt_selftest {
+
+namespace tc = pagedkv::simt::tc;
 
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -75,6 +78,76 @@ __global__ void assert_kernel(float* buf) {
 // block of 2048 threads: more than a GPU allows.
 __global__ void oversized_block_kernel(float* buf) { buf[threadIdx.x] = 1.0f; }
 
+// block 48: an mma in a block whose warp 1 has 16 lanes.
+__global__ void mma_partial_warp_kernel(float* buf) {
+  const uint32_t a[4] = {}, b[2] = {};
+  float acc[4] = {};
+  tc::mma_m16n8k16<__nv_bfloat16>(acc, a, b, acc);
+  buf[threadIdx.x] = acc[0];
+}
+
+// block 32: lanes 16-31 exit; lanes 0-15 wait in an mma for them.
+__global__ void mma_divergent_kernel(float* buf) {
+  if (threadIdx.x >= 16) return;
+  const uint32_t a[4] = {}, b[2] = {};
+  float acc[4] = {};
+  tc::mma_m16n8k16<__half>(acc, a, b, acc);
+  buf[threadIdx.x] = acc[0];
+}
+
+// block 32: lanes 0-15 run the bf16 mma, lanes 16-31 the f16 one.
+__global__ void mma_disagree_kernel(float* buf) {
+  const uint32_t a[4] = {}, b[2] = {};
+  float acc[4] = {};
+  if (threadIdx.x < 16) {
+    tc::mma_m16n8k16<__nv_bfloat16>(acc, a, b, acc);
+  } else {
+    tc::mma_m16n8k16<__half>(acc, a, b, acc);
+  }
+  buf[threadIdx.x] = acc[0];
+}
+
+// block 32: each thread leaves one committed and one uncommitted cp.async behind at exit.
+__global__ void cp_async_pending_at_exit_kernel(float* buf) {
+  __shared__ __align__(16) float s[32][4];
+  const int t = threadIdx.x;
+  tc::cp_async_16(&s[t][0], buf + 4 * t);
+  tc::cp_async_commit();
+  tc::cp_async_16(&s[t][0], buf + 4 * t);
+}
+
+// block 32: a global address 4 bytes past 16-byte alignment.
+__global__ void cp_async_misaligned_kernel(float* buf) {
+  __shared__ __align__(16) float s[32][4];
+  const int t = threadIdx.x;
+  tc::cp_async_16(&s[t][0], buf + 4 * t + 1);
+  tc::cp_async_wait<0>();
+}
+
+// block 32: row addresses 8 bytes past 16-byte alignment.
+__global__ void ldmatrix_misaligned_kernel(float* buf) {
+  __shared__ __align__(16) uint16_t s[32][16];
+  uint32_t r[4];
+  tc::ldmatrix_x4(r, &s[threadIdx.x][4]);
+  buf[threadIdx.x] = float(r[0]);
+}
+
+// block 32: ldmatrix from a local array (thread stack), not shared memory.
+__global__ void ldmatrix_local_kernel(float* buf) {
+  alignas(16) uint16_t local[8] = {};
+  uint32_t r[2];
+  tc::ldmatrix_x2_trans(r, local);
+  buf[threadIdx.x] = float(r[0]);
+}
+
+// block 32, 248 bytes of dynamic shared memory: lane 15 reads a row at offset 240 (to 256).
+__global__ void ldmatrix_past_dynamic_smem_kernel(float* buf) {
+  PAGEDKV_DYNAMIC_SMEM(uint16_t, s);
+  uint32_t r[2];
+  tc::ldmatrix_x2(r, s + 8 * (threadIdx.x % 16));
+  buf[threadIdx.x] = float(r[0]);
+}
+
 // n threads: out[t] = x[t + 1], reading x[n] in the last thread.
 __global__ void read_past_end_kernel(const float* x, float* out) {
   out[threadIdx.x] = x[threadIdx.x + 1];
@@ -91,6 +164,7 @@ namespace {
 struct Fault {
   void (*kernel)(float*);
   unsigned grid, block;
+  size_t smem = 0;
 };
 
 const std::map<std::string, Fault>& faults() {
@@ -105,6 +179,14 @@ const std::map<std::string, Fault>& faults() {
       {"trap", {trap_kernel, 2, 32}},
       {"assert", {assert_kernel, 1, 32}},
       {"oversized_block", {oversized_block_kernel, 1, 2048}},
+      {"mma_partial_warp", {mma_partial_warp_kernel, 1, 48}},
+      {"mma_divergent", {mma_divergent_kernel, 1, 32}},
+      {"mma_disagree", {mma_disagree_kernel, 1, 32}},
+      {"cp_async_pending_at_exit", {cp_async_pending_at_exit_kernel, 1, 32}},
+      {"cp_async_misaligned", {cp_async_misaligned_kernel, 1, 32}},
+      {"ldmatrix_misaligned", {ldmatrix_misaligned_kernel, 1, 32}},
+      {"ldmatrix_local", {ldmatrix_local_kernel, 1, 32}},
+      {"ldmatrix_past_dynamic_smem", {ldmatrix_past_dynamic_smem_kernel, 1, 32, 248}},
   };
   return table;
 }
@@ -116,7 +198,7 @@ void run_fault(const std::string& name) {
   if (it == faults().end()) throw simt::Error("run_fault: no fault kernel named '" + name + "'");
   std::vector<float> buf(2048, 1.0f);
   const Fault& f = it->second;
-  PAGEDKV_LAUNCH(f.kernel, f.grid, f.block, 0, nullptr)(buf.data());
+  PAGEDKV_LAUNCH(f.kernel, f.grid, f.block, f.smem, nullptr)(buf.data());
 }
 
 void read_past_end(const float* x, float* out, int n) {

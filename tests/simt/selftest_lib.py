@@ -1,6 +1,7 @@
-"""The emulator's self-test kernels for the tests: tests/simt/selftest_{kernels,faults,ops}.cpp
-compiled into a test-only library (never part of pagedkv._simt) that links the emulator of the
-pagedkv._simt in use, so that its kernels run on the shipped emulator under the same controls.
+"""The emulator's self-test kernels for the tests:
+tests/simt/selftest_{kernels,faults,tensor_core,ops}.cpp compiled into a test-only library (never
+part of pagedkv._simt) that links the emulator of the pagedkv._simt in use, so that its kernels
+run on the shipped emulator under the same controls.
 Built with ninja into build/simt-selftest (build/simt-selftest-<mode> under
 PAGEDKV_SIMT_SANITIZE) on first use and rebuilt only when a source or a flag changes.
 """
@@ -18,7 +19,8 @@ from torch.utils import cpp_extension
 from helpers import ROOT, SIMT_SANITIZE
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["selftest_kernels.cpp", "selftest_faults.cpp", "selftest_ops.cpp"]
+SOURCES = ["selftest_kernels.cpp", "selftest_faults.cpp", "selftest_tensor_core.cpp",
+           "selftest_ops.cpp"]
 # As setup.py compiles the emulated units: kernels type-pun (no strict aliasing) and assert.
 FLAGS = ["-std=c++20", "-O1", "-g", "-fno-strict-aliasing", "-UNDEBUG", "-Wno-unknown-pragmas",
          "-pthread"]

@@ -2,7 +2,8 @@
 // csrc/simt, in several fiber orders and worker counts, checked against host references, and
 // every fault diagnosed.
 // `simt_selftest --env ORDER SEED WORKERS` instead checks that PAGEDKV_SIMT_* were read;
-// `simt_selftest --race` runs a kernel with a missing __syncthreads (for the TSan build),
+// `simt_selftest --race` runs a kernel with a missing __syncthreads and `--early-read` one that
+// reads cp.async destinations before its wait (for the TSan build),
 // `--oob` and `--misaligned` kernels with memory faults (for the ASan + UBSan build).
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "simt/runtime.h"
@@ -151,6 +153,158 @@ void check_kernels(const std::string& tag) {
   }
 }
 
+// ---- tensor-core instructions, checked against the PTX ISA layouts written out here ----------
+
+// Values k / 64 with |k| < 128: exact in bf16 and f16, and so are the products and the sums of
+// the tests below in float, which makes every expected result exact.
+float small_value(size_t i, uint32_t salt) {
+  return float(int((i * 2654435761u + salt) >> 7 & 255) - 128) / 64.0f;
+}
+
+uint16_t bits16(float v, bool bf16) {
+  uint16_t out;
+  if (bf16) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(v);
+    std::memcpy(&out, &h, 2);
+  } else {
+    const __half h = __float2half_rn(v);
+    std::memcpy(&out, &h, 2);
+  }
+  return out;
+}
+
+void check_ldmatrix(const std::string& tag) {
+  std::vector<uint16_t> m(32 * 8);
+  for (size_t i = 0; i < m.size(); ++i) m[i] = uint16_t(i * 40503u + 7u);  // all distinct
+  for (int num : {1, 2, 4}) {
+    for (bool trans : {false, true}) {
+      std::vector<uint32_t> out(32 * 4);
+      simt_selftest::ldmatrix_fragments(m.data(), out.data(), num, trans);
+      bool ok = true;
+      for (int l = 0; l < 32; ++l) {
+        for (int i = 0; i < num; ++i) {
+          uint32_t want = 0;
+          for (int h = 0; h < 2; ++h) {  // element (l / 4, 2 * (l % 4) + h) of matrix i (or M^T)
+            const int row = l / 4, col = 2 * (l % 4) + h;
+            const uint16_t e = trans ? m[(8 * i + col) * 8 + row] : m[(8 * i + row) * 8 + col];
+            want |= uint32_t(e) << (16 * h);
+          }
+          ok &= out[l * 4 + i] == want;
+        }
+      }
+      expect(ok, tag + " ldmatrix x" + std::to_string(num) + (trans ? ".trans" : ""));
+    }
+  }
+}
+
+// mma.m16n8k16 fragments as the PTX ISA states them, element by element:
+//   A: a_i, i < 8: row g (i < 2 or 4 <= i < 6) else g + 8; col 2t + (i & 1) (+ 8 for i >= 4)
+//   B: b_i, i < 4: row 2t + (i & 1) (+ 8 for i >= 2); col g
+//   C/D: c_i, i < 4: row g (+ 8 for i >= 2); col 2t + (i & 1)
+// register i / 2 holds elements i (low half) and i + 1 for A and B.
+void check_mma(const std::string& tag) {
+  for (bool bf16 : {false, true}) {
+    float a[16][16], b[16][8], c[16][8];
+    for (int i = 0; i < 256; ++i) a[i / 16][i % 16] = small_value(i, 1);
+    for (int i = 0; i < 128; ++i) b[i / 8][i % 8] = small_value(i, 2);
+    for (int i = 0; i < 128; ++i) c[i / 8][i % 8] = small_value(i, 3) * 8.0f;
+    std::vector<uint32_t> ra(32 * 4, 0), rb(32 * 2, 0);
+    std::vector<float> rc(32 * 4), rd(32 * 4);
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l % 4;
+      for (int i = 0; i < 8; ++i) {
+        const int row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+        const int col = 2 * t + (i & 1) + (i >= 4 ? 8 : 0);
+        ra[l * 4 + i / 2] |= uint32_t(bits16(a[row][col], bf16)) << (16 * (i % 2));
+      }
+      for (int i = 0; i < 4; ++i) {
+        const int row = 2 * t + (i & 1) + (i >= 2 ? 8 : 0);
+        rb[l * 2 + i / 2] |= uint32_t(bits16(b[row][g], bf16)) << (16 * (i % 2));
+      }
+      for (int i = 0; i < 4; ++i) rc[l * 4 + i] = c[g + (i >= 2 ? 8 : 0)][2 * t + (i & 1)];
+    }
+    const std::string what = tag + (bf16 ? " mma bf16" : " mma f16");
+    for (int permute : {0, 1, 2}) {
+      simt_selftest::mma_fragments(ra.data(), rb.data(), rc.data(), rd.data(), bf16, permute);
+      int wrong = 0;
+      for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l % 4;
+        for (int i = 0; i < 4; ++i) {
+          const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+          double want = c[row][col];
+          for (int k = 0; k < 16; ++k) want += double(a[row][k]) * b[k][col];
+          wrong += rd[l * 4 + i] != float(want);
+        }
+      }
+      if (permute == 0) {
+        expect(wrong == 0, what + ": " + std::to_string(wrong) + " wrong elements");
+      } else {  // a kernel with a wrong fragment mapping must fail the same check
+        expect(wrong > 0, what + ": fragment permutation " + std::to_string(permute) + " passed");
+      }
+    }
+  }
+}
+
+void check_tile_matmul(const std::string& tag) {
+  for (bool bf16 : {false, true}) {
+    for (bool b_kn : {false, true}) {
+      const int m = 70, n = 32, k = 48;  // 70: a partial block tile, zero-filled rows
+      std::vector<uint16_t> a(m * k), b(n * k);
+      std::vector<float> af(m * k), bf(n * k);  // bf as [k][n]
+      for (int i = 0; i < m * k; ++i) {
+        af[i] = small_value(i, 4);
+        a[i] = bits16(af[i], bf16);
+      }
+      for (int kk = 0; kk < k; ++kk) {
+        for (int j = 0; j < n; ++j) {
+          bf[kk * n + j] = small_value(kk * n + j, 5);
+          b[b_kn ? kk * n + j : j * k + kk] = bits16(bf[kk * n + j], bf16);
+        }
+      }
+      const std::string what = tag + " tile_matmul" + (bf16 ? " bf16" : " f16") +
+                               (b_kn ? " [k, n] (ldmatrix.trans)" : " [n, k]");
+      for (bool wait_after_use : {false, true}) {
+#if defined(__SANITIZE_THREAD__)  // a race by design: see --early-read
+        if (wait_after_use) continue;
+#endif
+        std::vector<float> c(m * n, -1.0f);
+        simt_selftest::tile_matmul(a.data(), b.data(), c.data(), m, n, k, bf16, b_kn,
+                                   wait_after_use);
+        int wrong = 0, nan = 0;
+        for (int i = 0; i < m; ++i) {
+          for (int j = 0; j < n; ++j) {
+            double want = 0;
+            for (int kk = 0; kk < k; ++kk) want += double(af[i * k + kk]) * bf[kk * n + j];
+            wrong += c[i * n + j] != float(want);
+            nan += std::isnan(c[i * n + j]);
+          }
+        }
+        if (!wait_after_use) {
+          expect(wrong == 0, what + ": " + std::to_string(wrong) + " wrong elements");
+        } else {  // computing before cp.async.wait_group reads the poison
+          expect(nan > 0, what + ": reading before the wait went unnoticed");
+        }
+      }
+    }
+  }
+}
+
+void check_cp_async(const std::string& tag) {
+  std::vector<uint32_t> src(32 * 4 * 4), out(32 * 7 * 4, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = uint32_t(i * 2654435761u + 1);
+  simt_selftest::cp_async_groups(src.data(), out.data());
+  const auto chunk = [&](int l, int j) { return &src[(l * 4 + j) * 4]; };
+  bool ok = true;
+  for (int l = 0; l < 32; ++l) {
+    const uint32_t* o = &out[l * 7 * 4];
+    const uint32_t poison[4] = {~0u, ~0u, ~0u, ~0u}, zeros[4] = {0, 0, 0, 0};
+    const uint32_t half[4] = {chunk(l, 3)[0], chunk(l, 3)[1], 0, 0};
+    const uint32_t* want[7] = {poison, chunk(l, 0), poison, chunk(l, 1), zeros, poison, half};
+    for (int s = 0; s < 7; ++s) ok &= std::memcmp(o + s * 4, want[s], 16) == 0;
+  }
+  expect(ok, tag + " cp.async groups, zfill and poison before the wait");
+}
+
 // What each fault's message must contain (pytest checks the whole text).
 const std::map<std::string, std::string> kFaults = {
     {"absent_lane", "names lanes absent from warp 1, which has 16 lanes"},
@@ -167,6 +321,20 @@ const std::map<std::string, std::string> kFaults = {
     {"shuffle_exited_lane", "waits for lane 16, which exited: "
                             "t0-15: __shfl_xor_sync(0xffffffff), t16-31: exited"},
     {"trap", "block (1,0,0), thread (5,0,0): __trap() called"},
+    {"mma_partial_warp", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 needs all 32 "
+                         "lanes of the warp; warp 1 has 16"},
+    {"mma_divergent", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32(0xffffffff) in warp 0 "
+                      "waits for lane 16, which exited"},
+    {"mma_disagree", "disagree on a warp collective: "
+                     "t0-15: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(0xffffffff), "
+                     "t16-31: mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32(0xffffffff)"},
+    {"cp_async_pending_at_exit", "exited with 2 cp.async copies pending (1 in committed groups, "
+                                 "1 never committed)"},
+    {"cp_async_misaligned", "cp.async.cg.shared.global 16: global address"},
+    {"ldmatrix_misaligned", "ldmatrix.sync.aligned.m8n8.x4.shared.b16: shared address"},
+    {"ldmatrix_local", "is on the thread's stack, not in shared memory"},
+    {"ldmatrix_past_dynamic_smem", "thread (15,0,0): ldmatrix.sync.aligned.m8n8.x2.shared.b16: "
+                                   "16 bytes at"},
 };
 
 void check_faults(const std::string& tag) {
@@ -230,6 +398,17 @@ int run_race() {
   return 0;
 }
 
+// `--early-read`: a kernel computing on cp.async destinations before its wait_group; a TSan
+// build must report the race between the landing copy and another thread's ldmatrix.
+int run_early_read() {
+  const int m = 64, n = 16, k = 32;
+  std::vector<uint16_t> a(m * k, 0x3c00), b(n * k, 0x3c00);  // ones in f16
+  std::vector<float> c(m * n);
+  simt::set_order("forward", 0);
+  simt_selftest::tile_matmul(a.data(), b.data(), c.data(), m, n, k, false, false, true);
+  return 0;
+}
+
 // `--oob` / `--misaligned`: memory faults for the ASan + UBSan build to report.
 int run_memory_fault(const std::string& which) {
   std::vector<float> out(64);
@@ -246,6 +425,7 @@ int run_memory_fault(const std::string& which) {
 int main(int argc, char** argv) {
   if (argc == 5 && std::string(argv[1]) == "--env") return check_env(argv[2], argv[3], argv[4]);
   if (argc == 2 && std::string(argv[1]) == "--race") return run_race();
+  if (argc == 2 && std::string(argv[1]) == "--early-read") return run_early_read();
   if (argc == 2 && (std::string(argv[1]) == "--oob" || std::string(argv[1]) == "--misaligned")) {
     return run_memory_fault(argv[1]);
   }
@@ -261,6 +441,10 @@ int main(int argc, char** argv) {
     const std::string tag = std::string(c.order) + "/" + std::to_string(c.seed) + "/" +
                             std::to_string(c.workers);
     check_kernels(tag);
+    check_ldmatrix(tag);
+    check_mma(tag);
+    check_tile_matmul(tag);
+    check_cp_async(tag);
     check_faults(tag);
 #if !defined(__SANITIZE_THREAD__)  // a race by design: see --race
     check_missing_barrier(c.order);

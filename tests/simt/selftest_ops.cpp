@@ -128,6 +128,57 @@ at::Tensor missing_barrier(const at::Tensor& x) {
   return out;
 }
 
+// m [32, 8] int16 (raw 16-bit values) -> [32, num] int64: each lane's ldmatrix registers
+at::Tensor ldmatrix_fragments(const at::Tensor& m, int64_t num, bool trans) {
+  check_input(m, "m", at::kShort);
+  TORCH_CHECK(m.numel() == 32 * 8, "m must be [32, 8]");
+  TORCH_CHECK(num == 1 || num == 2 || num == 4, "num must be 1, 2 or 4, got ", num);
+  std::vector<uint32_t> out(32 * 4, 0);
+  simt_selftest::ldmatrix_fragments(reinterpret_cast<const uint16_t*>(m.data_ptr<int16_t>()),
+                                    out.data(), int(num), trans);
+  std::vector<int64_t> regs;
+  for (int l = 0; l < 32; ++l) regs.insert(regs.end(), &out[l * 4], &out[l * 4 + num]);
+  return at::tensor(regs, at::kLong).view({32, num});
+}
+
+// a [32, 4], b [32, 2] int32 (packed 16-bit pairs), c [32, 4] float32 -> d [32, 4] float32
+at::Tensor mma_fragments(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                         bool bf16, int64_t permute) {
+  check_input(a, "a", at::kInt);
+  check_input(b, "b", at::kInt);
+  check_input(c, "c", at::kFloat);
+  TORCH_CHECK(a.numel() == 128 && b.numel() == 64 && c.numel() == 128,
+              "a, b, c must be [32, 4], [32, 2], [32, 4]");
+  auto d = at::empty({32, 4}, c.options());
+  simt_selftest::mma_fragments(reinterpret_cast<const uint32_t*>(a.data_ptr<int32_t>()),
+                               reinterpret_cast<const uint32_t*>(b.data_ptr<int32_t>()),
+                               c.data_ptr<float>(), d.data_ptr<float>(), bf16, int(permute));
+  return d;
+}
+
+// a [m, k] and b ([n, k], or [k, n] with b_kn) bfloat16 or float16 -> [m, n] float32
+at::Tensor tile_matmul(const at::Tensor& a, const at::Tensor& b, bool b_kn, bool wait_after_use) {
+  const bool bf16 = a.scalar_type() == at::kBFloat16;
+  check_input(a, "a", bf16 ? at::kBFloat16 : at::kHalf);
+  check_input(b, "b", a.scalar_type());
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "a and b must be matrices");
+  const int64_t m = a.size(0), k = a.size(1), n = b_kn ? b.size(1) : b.size(0);
+  TORCH_CHECK((b_kn ? b.size(0) : b.size(1)) == k, "b must share k with a");
+  auto c = at::empty({m, n}, a.options().dtype(at::kFloat));
+  simt_selftest::tile_matmul(a.data_ptr(), b.data_ptr(), c.data_ptr<float>(), int(m), int(n),
+                             int(k), bf16, b_kn, wait_after_use);
+  return c;
+}
+
+// src [32, 16] int32 (4 chunks of 16 bytes a lane) -> [32, 7, 4] int32 snapshots (selftest.h)
+at::Tensor cp_async_groups(const at::Tensor& src) {
+  check_input(src, "src", at::kInt);
+  TORCH_CHECK(src.numel() == 32 * 16, "src must be [32, 16]");
+  auto out = at::empty({32, 7, 4}, src.options());
+  simt_selftest::cp_async_groups(src.data_ptr(), out.data_ptr());
+  return out;
+}
+
 void run_fault(const std::string& name) { simt_selftest::run_fault(name); }
 std::vector<std::string> fault_names() { return simt_selftest::fault_names(); }
 
@@ -161,6 +212,12 @@ TORCH_LIBRARY(pagedkv_simt_selftest, m) {
   m.def("partial_warp_sums(Tensor x) -> Tensor", &partial_warp_sums);
   m.def("shuffle_outside_mask(Tensor x) -> Tensor", &shuffle_outside_mask);
   m.def("missing_barrier(Tensor x) -> Tensor", &missing_barrier);
+  m.def("ldmatrix_fragments(Tensor m, int num, bool trans) -> Tensor", &ldmatrix_fragments);
+  m.def("mma_fragments(Tensor a, Tensor b, Tensor c, bool bf16, int permute) -> Tensor",
+        &mma_fragments);
+  m.def("tile_matmul(Tensor a, Tensor b, bool b_kn, bool wait_after_use) -> Tensor",
+        &tile_matmul);
+  m.def("cp_async_groups(Tensor src) -> Tensor", &cp_async_groups);
   m.def("run_fault(str name) -> ()", &run_fault);
   m.def("fault_names() -> str[]", &fault_names);
   m.def("memory_fault(str name) -> ()", &memory_fault);

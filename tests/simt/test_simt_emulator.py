@@ -12,35 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import selftest_lib
 from helpers import ROOT, SIMT_SANITIZE
 
 simt = pytest.importorskip("pagedkv.ops.simt")
 if not simt.available():
     pytest.skip("pagedkv._simt is not built (no CUDA toolkit headers)", allow_module_level=True)
-
-ORDERS = [("forward", 0, 1), ("reverse", 0, 1), ("random", 1, 1), ("random", 2, 2)]
-
-
-@pytest.fixture(scope="module")
-def ops():
-    """torch.ops.pagedkv_simt_selftest (built on first use), or a skip saying what is missing."""
-    try:
-        return selftest_lib.load()
-    except selftest_lib.Unavailable as e:
-        pytest.skip(f"the simt self-test library cannot be built: {e}")
-
-
-@pytest.fixture(params=ORDERS, ids=lambda p: f"{p[0]}-seed{p[1]}-workers{p[2]}")
-def order(request, ops):
-    """Runs the test under one fiber order / seed / worker count, then restores the config."""
-    saved = simt.config()
-    name, seed, workers = request.param
-    simt.set_order(name, seed)
-    simt.set_workers(workers)
-    yield name
-    simt.set_order(saved[0], saved[1])
-    simt.set_workers(saved[2])
 
 
 def integers(*shape, high=9):
@@ -158,6 +134,8 @@ def test_missing_barrier_is_caught_by_fiber_order(order, ops):
 
 
 K = "simt: kernel simt_selftest::{}_kernel(float*)"
+MMA_BF16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+MMA_F16 = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 FAULTS = {
     "barrier_after_exit": K + ", block (0,0,0): __syncthreads reached by some threads while"
     " others exited: t0-63: __syncthreads, t64-127: exited",
@@ -177,19 +155,42 @@ FAULTS = {
     "assert": K + ", block (0,0,0), thread (7,0,0): assertion failed: threadIdx.x != 7"
     " (selftest_faults.cpp:{line})",
     "oversized_block": K + ": block has 2048 threads, more than 1024",
+    "mma_partial_warp": K + ", block (0,0,0), thread ({t},0,0): " + MMA_BF16 + " needs all 32"
+    " lanes of the warp; warp 1 has 16",
+    "mma_divergent": K + ", block (0,0,0): " + MMA_F16 + "(0xffffffff) in warp 0 waits for lane"
+    " 16, which exited: t0-15: " + MMA_F16 + "(0xffffffff), t16-31: exited",
+    "mma_disagree": K + ", block (0,0,0): lanes in warp 0 disagree on a warp collective: t0-15: "
+    + MMA_BF16 + "(0xffffffff), t16-31: " + MMA_F16 + "(0xffffffff)",
+    "cp_async_pending_at_exit": K + ", block (0,0,0), thread ({t},0,0): exited with 2 cp.async"
+    " copies pending (1 in committed groups, 1 never committed): a thread must retire its copies"
+    " with cp.async.wait_group first",
+    "cp_async_misaligned": K + ", block (0,0,0), thread ({t},0,0): cp.async.cg.shared.global 16:"
+    " global address {addr} is not 16-byte aligned",
+    "ldmatrix_misaligned": K + ", block (0,0,0), thread ({t},0,0): ldmatrix.sync.aligned.m8n8.x4"
+    ".shared.b16: shared address {addr} is not 16-byte aligned",
+    "ldmatrix_local": K + ", block (0,0,0), thread ({t},0,0): ldmatrix.sync.aligned.m8n8.x2.trans"
+    ".shared.b16: address {addr} is on the thread's stack, not in shared memory",
+    "ldmatrix_past_dynamic_smem": K + ", block (0,0,0), thread (15,0,0): ldmatrix.sync.aligned"
+    ".m8n8.x2.shared.b16: 16 bytes at {addr} run past the dynamic shared memory (248 bytes)",
 }
 # The thread that detects a fault depends on the order: the first (or last) to arrive.
 FIRST_THREAD = {
     "absent_lane": {"forward": 32, "reverse": 47},
     "mask_excludes_caller": {"forward": 1, "reverse": 31},
+    "mma_partial_warp": {"forward": 32, "reverse": 47},
+    **{name: {"forward": 0, "reverse": 31} for name in [
+        "cp_async_pending_at_exit", "cp_async_misaligned", "ldmatrix_misaligned"]},
+    "ldmatrix_local": {"forward": 0, "reverse": 15},  # x2: lanes 16-31 give no address
 }
 
 
 def expected_fault(name, order):
-    """The exact message as a regex; an order-dependent thread or a line number may vary."""
-    parts = re.split(r"(\{t\}|\{line\})", FAULTS[name].replace("{}", name))
+    """The exact message as a regex; an order-dependent thread, a line number or an address may
+    vary."""
+    parts = re.split(r"(\{t\}|\{line\}|\{addr\})", FAULTS[name].replace("{}", name))
     thread = FIRST_THREAD.get(name, {}).get(order)
-    fills = {"{t}": str(thread) if thread is not None else r"\d+", "{line}": r"\d+"}
+    fills = {"{t}": str(thread) if thread is not None else r"\d+", "{line}": r"\d+",
+             "{addr}": r"0x[0-9a-f]+"}
     return "".join(fills.get(part, re.escape(part)) for part in parts)
 
 

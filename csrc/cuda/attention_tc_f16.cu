@@ -1,0 +1,4 @@
+// nvcc translation unit of the tensor-core attention kernels with __half queries (torch-free).
+#include "kernels/attention_tc.cuh"
+
+PAGEDKV_INSTANTIATE_ATTENTION_TC(__half)
