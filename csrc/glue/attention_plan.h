@@ -8,10 +8,28 @@
 
 namespace pagedkv {
 
+// gridDim.y and gridDim.z of a CUDA launch are at most this.
+constexpr int64_t kMaxGridYZ = 65535;
+
+// That a kernel runs this call: a head size it was instantiated for, and a grid within the
+// limits (sequences and kv heads are the attention kernel's grid y / z, query heads the
+// reduce kernel's grid y).
 inline void check_attention_kernel_exists(const PagedAttentionParams& p, const char* backend) {
   TORCH_CHECK(attention_padded_head(p.head_size) != 0, "paged_attention (", backend,
               "): no kernel for head_size ", p.head_size,
               "; the kernels take multiples of 8 up to 256");
+  TORCH_CHECK(p.num_seqs <= kMaxGridYZ, "paged_attention (", backend, "): num_seqs ", p.num_seqs,
+              " exceeds ", kMaxGridYZ, ", the kernel's grid limit; split the batch");
+  TORCH_CHECK(p.num_kv_heads <= kMaxGridYZ, "paged_attention (", backend, "): num_kv_heads ",
+              p.num_kv_heads, " exceeds ", kMaxGridYZ, ", the kernel's grid limit");
+  TORCH_CHECK(p.num_heads <= kMaxGridYZ, "paged_attention (", backend, "): num_heads ",
+              p.num_heads, " exceeds ", kMaxGridYZ, ", the reduce kernel's grid limit");
+}
+
+// merge_attn_states' grid is (num_tokens, num_heads).
+inline void check_merge_grid(const MergeAttnParams& p, const char* backend) {
+  TORCH_CHECK(p.num_heads <= kMaxGridYZ, "merge_attn_states (", backend, "): num_heads ",
+              p.num_heads, " exceeds ", kMaxGridYZ, ", the kernel's grid limit");
 }
 
 // The plan; `workspace` keeps its split-K buffers alive until the launch is enqueued.

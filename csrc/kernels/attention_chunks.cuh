@@ -4,6 +4,7 @@
 #pragma once
 #include "kernels/compat.cuh"
 #include "kernels/dtypes.cuh"
+#include "kernels/memory.cuh"
 
 namespace pagedkv {
 namespace PAGEDKV_KERNEL_NS {
@@ -23,12 +24,12 @@ __device__ __forceinline__ Chunk<C> load_chunk(const C* ptr, bool vectorized) {
   Chunk<C> c;
   if (vectorized) {
     if constexpr (Chunk<C>::kWords == 2) {
-      const uint2 x = __ldg(reinterpret_cast<const uint2*>(ptr));
+      const uint2 x = load_ro(reinterpret_cast<const uint2*>(ptr), "kv");
       c.w[0] = x.x, c.w[1] = x.y;
     } else {
 #pragma unroll
       for (int i = 0; i < Chunk<C>::kWords; i += 4) {
-        const uint4 x = __ldg(reinterpret_cast<const uint4*>(ptr) + i / 4);
+        const uint4 x = load_ro(reinterpret_cast<const uint4*>(ptr) + i / 4, "kv");
         c.w[i] = x.x, c.w[i + 1] = x.y, c.w[i + 2] = x.z, c.w[i + 3] = x.w;
       }
     }
@@ -38,7 +39,7 @@ __device__ __forceinline__ Chunk<C> load_chunk(const C* ptr, bool vectorized) {
     for (int i = 0; i < Chunk<C>::kWords; ++i) {
       uint32_t word = 0;
 #pragma unroll
-      for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(bytes[4 * i + b]) << (8 * b);
+      for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(load_ro(bytes + 4 * i + b, "kv")) << (8 * b);
       c.w[i] = word;
     }
   }

@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
       const int rr = row0 + r;
       const T* q = static_cast<const T*>(p.query) + (q_begin + rr / group_size) * p.q_token_stride +
                    (kv_head * group_size + rr % group_size) * p.q_head_stride;
-      x = to_float(q[d]) * qk_scale;
+      x = to_float(load(q + d, "query")) * qk_scale;
     }
     q_smem[i] = x;
   }
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
       int blk = -1, off = 0;
       if (t < part_end && lane_active) {
         block_div.divmod(t, blk, off);
-        blk = __ldg(table + blk);
+        blk = load_ro(table + blk, "table");
       }
       phys[u] = blk, slot[u] = off;
     }
@@ -325,14 +325,14 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     const int head = row_head[r];
     if (plan.num_parts == 1) {
       T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
-      out[d] = from_float<T>(o);
+      store(out + d, from_float<T>(o), "out");
       if (d == 0 && p.lse_out != nullptr) {
-        p.lse_out[token * p.lse_token_stride + head * p.lse_head_stride] = lse;
+        store(p.lse_out + token * p.lse_token_stride + head * p.lse_head_stride, lse, "lse");
       }
     } else {
       const int64_t slot = (token * p.num_heads + head) * plan.num_parts + part;
-      plan.tmp_out[slot * head_size + d] = o;
-      if (d == 0) plan.tmp_lse[slot] = lse;
+      store(plan.tmp_out + slot * head_size + d, o, "workspace");
+      if (d == 0) store(plan.tmp_lse + slot, lse, "workspace");
     }
   }
 }

@@ -1,11 +1,15 @@
 // Emulator self-test kernels (torch-free): host entry points taking host pointers.
 // Used by the pagedkv_simt_selftest torch ops (selftest_ops.cpp) and the ctest executable
-// (tests/simt/selftest_main.cpp). Each runs one launch and throws simt::Error on failure.
+// (tests/simt/selftest_main.cpp). Each runs one launch and throws simt::Error on failure,
+// also when the launch is rejected (a bad configuration, reported by cudaGetLastError).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include <driver_types.h>
 
 namespace simt_selftest {
 
@@ -57,6 +61,17 @@ void missing_barrier(const float* in, float* out, int n);
 // the last thread reads x[n] (one past the end); a uint4 load from a 2-byte aligned address.
 void read_past_end(const float* x, float* out, int n);
 void misaligned_vector_load(const void* x, float* out);
+
+// A launch of a kernel that fills `smem` bytes of dynamic shared memory, with this grid and
+// block, after cudaFuncSetAttribute(MaxDynamicSharedMemorySize, opt_in) when opt_in > 0:
+// returns what cudaGetLastError reported (and checks that it cleared it), the blocks that ran
+// in ran[0] (ran [2]) and the emulator's reason in message. Does not throw on a launch error.
+cudaError_t launch_config(const int grid[3], const int block[3], size_t smem, int opt_in,
+                          int32_t* ran, std::string* message);
+
+// Traffic counters' test kernels: y = x (n floats) by `blocks` blocks of 128 threads, each
+// copying all of it, coalesced or wastefully (stride-n/32 lanes; see selftest_kernels.cpp).
+void copy(const float* x, float* y, int n, int blocks, bool wasteful);
 
 // Launches the faulty kernel `name` (see fault_names()); always throws simt::Error.
 void run_fault(const std::string& name);
