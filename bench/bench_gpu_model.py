@@ -75,7 +75,7 @@ def kernel_rows(kernels, usage) -> list[dict]:
         row = {"arch": k.arch, "kernel": kernel_label(k), "name": k.name, "registers": regs,
                "warps_per_sm": occupancy(regs) if regs else None}
         p = profile_loop(k)
-        if p is not None:
+        if p is not None and p.kv_bytes > 0:  # a loop whose loads are all off the hot path: none
             row |= {"loop": [hex(p.first), hex(p.last)], "loop_static": p.static_instructions,
                     "loop_instructions": p.instructions, "loop_bytes": p.kv_bytes,
                     "load_width": p.load_width, "per_kib": round(p.per_byte * 1024, 1),

@@ -4,6 +4,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <utility>
+
 #include "kernels/attention_launch.h"
 
 namespace pagedkv {
@@ -24,6 +26,15 @@ inline void check_attention_kernel_exists(const PagedAttentionParams& p, const c
               p.num_kv_heads, " exceeds ", kMaxGridYZ, ", the kernel's grid limit");
   TORCH_CHECK(p.num_heads <= kMaxGridYZ, "paged_attention (", backend, "): num_heads ",
               p.num_heads, " exceeds ", kMaxGridYZ, ", the reduce kernel's grid limit");
+  // The kernel addresses a row as block x block stride (a 64-bit product of 32-bit values) plus
+  // the token's offset in its block (32-bit), in bytes.
+  for (const auto& [name, c] : {std::pair{"key_cache", &p.key_cache}, {"value_cache", &p.value_cache}}) {
+    const CacheStrides& s = c->strides;
+    const int64_t bytes = attention_element_size(p.cache_dtype);
+    TORCH_CHECK(s.block * bytes < (int64_t{1} << 32) && s.token * c->block_size * bytes < (int64_t{1} << 32),
+                "paged_attention (", backend, "): ", name, " strides (", s.block, ", ", s.head,
+                ", ", s.token, ") exceed the kernel's 32-bit byte offsets in a block");
+  }
 }
 
 // merge_attn_states' grid is (num_tokens, num_heads).
