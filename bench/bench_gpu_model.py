@@ -1,12 +1,17 @@
-"""GPU speed without a GPU: the SASS of the built extension module, priced per device preset.
+"""GPU speed without a GPU: the SASS of the built extension module, priced per device preset,
+and the kernels' global-memory traffic counted by the simt emulator.
 
 For every kernel instantiation in the module (sm_80 and sm_90): registers, warps per SM, the main
 loop's instructions per byte it loads, by class. For the decode kernels: the estimated fraction of
 HBM bandwidth and time of the standard decode shapes on A100 / H100 / H200 (docs/gpu_model.md).
+Traffic (pagedkv._simt, skipped with --no-traffic): for the decode configurations (GQA 1/4/8,
+block size 1/16/256, bf16 and fp8 caches, HND and NHD) and the cache ops, K/V bytes requested over
+the minimal, sector efficiency and re-read factor, counted at a reduced size (see TRAFFIC_SIZES).
 With ``--join attention_cuda.json`` (bench_attention_cuda's measured rows): the model's estimate
 next to each measured row, the calibration of the model.
 
 python -m bench.bench_gpu_model [--module PATH] [--devices a100-80gb,h100,h200] [--join FILE]
+    [--no-traffic]
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ def kernel_rows(kernels, usage) -> list[dict]:
         row = {"arch": k.arch, "kernel": kernel_label(k), "name": k.name, "registers": regs,
                "warps_per_sm": occupancy(regs) if regs else None}
         p = profile_loop(k)
-        if p is not None:
+        if p is not None and p.kv_bytes > 0:  # a loop whose loads are all off the hot path: none
             row |= {"loop": [hex(p.first), hex(p.last)], "loop_static": p.static_instructions,
                     "loop_instructions": p.instructions, "loop_bytes": p.kv_bytes,
                     "load_width": p.load_width, "per_kib": round(p.per_byte * 1024, 1),
@@ -106,6 +111,119 @@ def standard_rows(kernels, devices) -> list[dict]:
                     if row is not None:
                         rows.append({"case": f"decode {seqs}x{tokens} gqa{group} {cache}"} | row)
     return rows
+
+
+# Traffic is counted on the emulator, orders of magnitude slower than a GPU: each standard shape
+# runs with at most this many sequences and tokens each, and one kv head (its query heads: the
+# group). The ratios below are per byte: the full shapes repeat the same requests.
+TRAFFIC_SIZES = {"seqs": 2, "tokens": 1024}
+TRAFFIC_BLOCKS = (1, 16, 256)
+TRAFFIC_LAYOUTS = ("hnd", "nhd")
+
+
+def traffic_rows() -> list[dict]:
+    """Counted traffic of the decode kernel per configuration, and of the cache ops."""
+    import torch
+
+    from pagedkv.ops import simt
+
+    if not simt.available():
+        return []
+    dtypes = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+    rows, counted = [], {}
+    gen = torch.Generator().manual_seed(0)
+    for seqs, tokens in SIZES:
+        n, length = min(seqs, TRAFFIC_SIZES["seqs"]), min(tokens, TRAFFIC_SIZES["tokens"])
+        for cache in CACHES:
+            for group in GROUPS:
+                for block in TRAFFIC_BLOCKS:
+                    for layout in TRAFFIC_LAYOUTS:
+                        key = (n, length, cache, group, block, layout)
+                        if key not in counted:  # standard shapes reduced to the same size
+                            counted[key] = _decode_traffic(simt, n, length, group, block,
+                                                           layout, dtypes[cache], gen)
+                        kv = counted[key]
+                        minimal = 2 * n * length * 128 * ELEMENT[cache]
+                        rows.append({"case": f"decode {seqs}x{tokens} gqa{group} {cache}",
+                                     "counted": f"{n}x{length}", "block_size": block,
+                                     "layout": layout, "tag": "kv", "op": "load",
+                                     "requested_over_minimal": kv["bytes"] / minimal,
+                                     "sector_efficiency": kv["sector_efficiency"],
+                                     "reread": kv["reread"], "bytes": kv["bytes"],
+                                     "minimal": minimal})
+    rows += _cache_op_traffic(simt, gen)
+    return rows
+
+
+def _decode_traffic(simt, n, length, group, block, layout, cache_dtype, gen) -> dict:
+    import torch
+
+    blocks_per_seq = -(-length // block)
+    num_blocks = n * blocks_per_seq
+    shape = (num_blocks, 1, block, 128) if layout == "hnd" else (num_blocks, block, 1, 128)
+
+    def cache():
+        c = torch.randn(shape, generator=gen).mul(0.1).to(cache_dtype)
+        return c if layout == "hnd" else c.permute(0, 2, 1, 3)
+
+    query = torch.randn(n, group, 128, generator=gen).to(torch.bfloat16)
+    table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(n, blocks_per_seq)
+    lens = torch.full((n,), length, dtype=torch.int32)
+    scales = (torch.tensor([1.0]), torch.tensor([1.0])) if cache_dtype != torch.bfloat16 else (
+        None, None)
+    with simt.profile() as prof:
+        simt.ops.paged_attention(torch.empty_like(query), query, cache(), cache(), table, lens,
+                                 None, length, 1, 128**-0.5, None, -1, 0.0, *scales, None)
+    return prof.total("paged_attention_kernel", "kv")
+
+
+def _cache_op_traffic(simt, gen) -> list[dict]:
+    import torch
+
+    rows = []
+    tokens, heads, block = 256, 8, 16
+    for cache, dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
+        for layout in TRAFFIC_LAYOUTS:
+            shape = (tokens // block, heads, block, 128)
+            if layout == "nhd":
+                shape = (tokens // block, block, heads, 128)
+            kc, vc = (torch.zeros(shape, dtype=dtype) for _ in range(2))
+            if layout == "nhd":
+                kc, vc = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)
+            key, value = (torch.randn(tokens, heads, 128, generator=gen).to(torch.bfloat16)
+                          for _ in range(2))
+            scales = (torch.tensor([1.0]), torch.tensor([1.0])) if cache != "bf16" else ()
+            slots = torch.randperm(tokens, generator=gen)
+            mapping = torch.tensor([[0, 1], [2, 3], [5, 4]], dtype=torch.int64)
+            with simt.profile() as prof:
+                simt.ops.reshape_and_cache(key, value, kc, vc, slots, *scales)
+                simt.ops.copy_blocks([kc], [vc], mapping)
+            for kernel, tag, op, minimal in [
+                    ("reshape_and_cache_kernel", "src", "load", 2 * key.numel() * 2),
+                    ("reshape_and_cache_kernel", "kv", "store", 2 * key.numel() * ELEMENT[cache]),
+                    ("copy_blocks_kernel", "kv", "load", 2 * 3 * block * heads * 128 *
+                     ELEMENT[cache]),
+                    ("copy_blocks_kernel", "kv", "store", 2 * 3 * block * heads * 128 *
+                     ELEMENT[cache])]:
+                t = prof.total(kernel, tag, op)
+                rows.append({"case": f"{kernel.removesuffix('_kernel')} {cache}",
+                             "counted": f"{tokens} tokens", "block_size": block,
+                             "layout": layout, "tag": tag, "op": op,
+                             "requested_over_minimal": t["bytes"] / minimal,
+                             "sector_efficiency": t["sector_efficiency"],
+                             "reread": t["reread"], "bytes": t["bytes"], "minimal": minimal})
+    return rows
+
+
+def print_traffic(rows: list[dict]) -> None:
+    print(f"\ntraffic counted on simt (decode: <= {TRAFFIC_SIZES['seqs']} sequences of <= "
+          f"{TRAFFIC_SIZES['tokens']} tokens, 1 kv head, head 128)")
+    print(f"{'case':<36}{'counted':>10}{'block':>6}{'layout':>7}{'tag':>5}{'op':>6}"
+          f"{'req/min':>8}{'sector eff':>11}{'reread':>7}")
+    for r in rows:
+        print(f"{r['case']:<36}{r['counted']:>10}{r['block_size']:>6}{r['layout']:>7}"
+              f"{r['tag']:>5}{r['op']:>6}{r['requested_over_minimal']:>8.2f}"
+              f"{r['sector_efficiency']:>11.1%}{r['reread']:>7.2f}")
 
 
 def print_kernels(rows: list[dict]) -> None:
@@ -169,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--join", type=Path, help="bench_attention_cuda's JSON to compare with")
     parser.add_argument("--device-name", help="the measured GPU (default: the JSON's device)")
     parser.add_argument("--quick", action="store_true", help="accepted for python -m bench")
+    parser.add_argument("--no-traffic", action="store_true",
+                        help="skip the traffic counted on the simt emulator")
     opts = parser.parse_args(argv)
     if find_tool("cuobjdump") is None:
         print("bench_gpu_model: skipped, cuobjdump not found (PATH, $CUDA_HOME/bin, triton)")
@@ -189,6 +309,12 @@ def main(argv: list[str] | None = None) -> None:
                "kernels": kernel_rows(kernels, usage), "rows": standard_rows(kernels, devices)}
     print_kernels(payload["kernels"])
     print_estimates(payload["rows"])
+    if not opts.no_traffic:
+        start = time.perf_counter()
+        payload["traffic"] = traffic_rows()
+        if payload["traffic"]:
+            print_traffic(payload["traffic"])
+            print(f"(counted in {time.perf_counter() - start:.0f} s)")
     if opts.join:
         payload["join"] = join_rows(kernels, opts.join, opts.device_name)
         print(f"\nmeasured ({opts.join}) vs model")

@@ -57,6 +57,7 @@ void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
 }
 
 void merge_attn_states(const MergeAttnParams& p, const at::Tensor& out) {
+  check_merge_grid(p, "cuda");
   const c10::cuda::CUDAGuard guard(out.device());
   C10_CUDA_CHECK(cuda::merge_attn_states(p, c10::cuda::getCurrentCUDAStream()));
 }

@@ -4,6 +4,7 @@
 #pragma once
 #include "kernels/compat.cuh"
 #include "kernels/dtypes.cuh"
+#include "kernels/memory.cuh"
 
 namespace pagedkv {
 namespace PAGEDKV_KERNEL_NS {
@@ -18,17 +19,19 @@ struct Chunk {
   uint32_t w[kWords];
 };
 
-template <typename C>
-__device__ __forceinline__ Chunk<C> load_chunk(const C* ptr, bool vectorized) {
+// kVec: the caches are aligned for vector loads (AttentionPlan::vectorized); a template
+// parameter, so that a loop of aligned loads holds no byte path.
+template <bool kVec, typename C>
+__device__ __forceinline__ Chunk<C> load_chunk(const C* ptr) {
   Chunk<C> c;
-  if (vectorized) {
+  if constexpr (kVec) {
     if constexpr (Chunk<C>::kWords == 2) {
-      const uint2 x = __ldg(reinterpret_cast<const uint2*>(ptr));
+      const uint2 x = load_ro(reinterpret_cast<const uint2*>(ptr), "kv");
       c.w[0] = x.x, c.w[1] = x.y;
     } else {
 #pragma unroll
       for (int i = 0; i < Chunk<C>::kWords; i += 4) {
-        const uint4 x = __ldg(reinterpret_cast<const uint4*>(ptr) + i / 4);
+        const uint4 x = load_ro(reinterpret_cast<const uint4*>(ptr) + i / 4, "kv");
         c.w[i] = x.x, c.w[i + 1] = x.y, c.w[i + 2] = x.z, c.w[i + 3] = x.w;
       }
     }
@@ -38,7 +41,7 @@ __device__ __forceinline__ Chunk<C> load_chunk(const C* ptr, bool vectorized) {
     for (int i = 0; i < Chunk<C>::kWords; ++i) {
       uint32_t word = 0;
 #pragma unroll
-      for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(bytes[4 * i + b]) << (8 * b);
+      for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(load_ro(bytes + 4 * i + b, "kv")) << (8 * b);
       c.w[i] = word;
     }
   }
@@ -76,20 +79,35 @@ __device__ __forceinline__ void to_floats(const Chunk<__half>& c, float (&f)[kCh
     f[2 * i + 1] = x.y;
   }
 }
-template <typename Fp8>
+// fp8: two elements per conversion (fp8x2 -> half2, one instruction on sm_89+), then half2 ->
+// float2.
+template <__nv_fp8_interpretation_t kInterp, typename Fp8>
 __device__ __forceinline__ void fp8_to_floats(const Chunk<Fp8>& c, float (&f)[kChunkElems]) {
 #pragma unroll
-  for (int i = 0; i < kChunkElems; ++i) {
-    Fp8 x;
-    x.bits = static_cast<__nv_fp8_storage_t>((c.w[i / 4] >> (8 * (i % 4))) & 0xffu);
-    f[i] = to_float(x);
+  for (int i = 0; i < kChunkElems / 2; ++i) {
+    const auto pair = static_cast<__nv_fp8x2_storage_t>((c.w[i / 2] >> (16 * (i % 2))) & 0xffffu);
+    const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, kInterp)));
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
   }
 }
 __device__ __forceinline__ void to_floats(const Chunk<fp8_e4m3>& c, float (&f)[kChunkElems]) {
-  fp8_to_floats(c, f);
+  fp8_to_floats<__NV_E4M3>(c, f);
 }
 __device__ __forceinline__ void to_floats(const Chunk<fp8_e5m2>& c, float (&f)[kChunkElems]) {
-  fp8_to_floats(c, f);
+  fp8_to_floats<__NV_E5M2>(c, f);
+}
+
+// 2^x for the online softmax: ex2.approx.ftz under nvcc (one MUFU.EX2, no denormal handling;
+// 2^-inf = 0), the host's exp2f under simt.
+__device__ __forceinline__ float fast_exp2(float x) {
+#if defined(__CUDACC__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
 }
 
 // x / d and x % d for a runtime divisor, by shifts when it is a power of two.

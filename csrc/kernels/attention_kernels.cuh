@@ -44,13 +44,15 @@ struct Layout {
   static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "padded head size");
 };
 
-// Tokens each lane group loads per iteration: 8 loads of K+V in flight per lane (4 for fp32),
-// and the resident blocks per SM the register budget is cut for: 4 (128 registers) for 16-bit
-// caches, 3 (168) for fp32 and fp8, whose conversions need more registers per byte.
+// Tokens each lane group loads per iteration: 4 (8 loads of K+V in flight per lane, 16 bytes
+// each), 8 for fp8 (16 loads of 8 bytes: the per-iteration work spread over as many bytes), 2 for
+// fp32; and the resident blocks per SM the register budget is cut for: 3 (168 registers), which
+// keeps each K/V chunk converted once (at 128 the compiler converts V again for every row) and
+// still holds ~48 KB of loads in flight per SM.
 template <typename C>
 struct TokensPerGroup {
-  static constexpr int value = sizeof(C) == 4 ? 2 : 4;
-  static constexpr int kMinBlocksPerSm = sizeof(C) == 2 ? 4 : 3;
+  static constexpr int value = sizeof(C) == 4 ? 2 : (sizeof(C) == 1 ? 8 : 4);
+  static constexpr int kMinBlocksPerSm = 3;
 };
 
 
@@ -114,11 +116,14 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
   const int kv_end = min(last_pos + 1, seq_len);
   const int window_begin = p.sliding_window > 0 ? max(0, first_pos - p.sliding_window + 1) : 0;
   const int part_begin = window_begin + part * plan.part_tokens;
-  const int part_end = min(part_begin + plan.part_tokens, kv_end);
+  // The last partition runs to the end of the context, whatever the plan's max_seq_len was (a
+  // CUDA graph replays a plan captured for shorter sequences: no key may be dropped).
+  const int part_end =
+      part == plan.num_parts - 1 ? kv_end : min(part_begin + plan.part_tokens, kv_end);
 
   const int tid = threadIdx.x;
   const int head_size = p.head_size;
-  float qk_scale = p.scale;
+  float qk_scale = p.scale * kLog2e;  // scores in the log2 domain straight from the dot product
   float v_scale = 1.f;
   if constexpr (is_fp8<C>::value) {
     qk_scale *= *p.k_scale;
@@ -138,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
       const int rr = row0 + r;
       const T* q = static_cast<const T*>(p.query) + (q_begin + rr / group_size) * p.q_token_stride +
                    (kv_head * group_size + rr % group_size) * p.q_head_stride;
-      x = to_float(q[d]) * qk_scale;
+      x = to_float(load(q + d, "query")) * qk_scale;
     }
     q_smem[i] = x;
   }
@@ -152,6 +157,10 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
 
   const bool alibi = p.alibi_slopes != nullptr;
   const int window = p.sliding_window;
+  // Soft cap in the log2 domain: cap' * tanh(x / cap') with cap' = cap * log2(e), by a
+  // reciprocal computed once; ALiBi slopes likewise times log2(e).
+  const float soft_cap = p.soft_cap * kLog2e;
+  const float inv_soft_cap = soft_cap > 0.f ? 1.f / soft_cap : 0.f;
 
   float m[kRows], l[kRows], acc[kRows][kChunkElems];
 #pragma unroll
@@ -168,62 +177,92 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
   const int* table = p.block_tables + seq * p.block_table_stride;
   const FastDiv block_div(p.key_cache.block_size);
   const bool vec = plan.vectorized;
-  constexpr int kStep = kWarps * L::kGroups * U;  // tokens per block iteration
-
+  // Row offsets: the page's in 64 bits from one 32 x 32-bit multiply, the token's in the page in
+  // 32 bits (the glue checks that the strides allow it), computed once per token for K and V
+  // when their strides agree (HND, NHD, combined).
+  const char* const k_rows = reinterpret_cast<const char*>(k_cache.data);
+  const char* const v_rows = reinterpret_cast<const char*>(v_cache.data);
+  const uint32_t k_block = static_cast<uint32_t>(p.key_cache.strides.block * sizeof(C));
+  const uint32_t k_token = static_cast<uint32_t>(p.key_cache.strides.token * sizeof(C));
+  const uint32_t v_block = static_cast<uint32_t>(p.value_cache.strides.block * sizeof(C));
+  const uint32_t v_token = static_cast<uint32_t>(p.value_cache.strides.token * sizeof(C));
+  const bool kv_same = k_block == v_block && k_token == v_token;
   // Token of load u of this lane group in the iteration starting at `base`.
   auto token_of = [&](int base, int u) { return base + (warp * U + u) * L::kGroups + group; };
+  constexpr int kStep = kWarps * L::kGroups * U;  // tokens per block iteration
+
   int phys[U], slot[U];  // physical block (-1: nothing to load) and offset in it of each token
   auto locate = [&](int base) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = token_of(base, u);
-      int blk = -1, off = 0;
-      if (t < part_end && lane_active) {
-        block_div.divmod(t, blk, off);
-        blk = __ldg(table + blk);
-      }
-      phys[u] = blk, slot[u] = off;
+      int blk, off;
+      block_div.divmod(t, blk, off);
+      phys[u] = t < part_end && lane_active ? load_ro(table + blk, "table") : -1;  // predicated
+      slot[u] = off;
     }
   };
   locate(part_begin);
 
-  for (int base = part_begin; base < part_end; base += kStep) {
+  // One block iteration: U tokens per lane group. kMasked: the general body (soft cap, ALiBi,
+  // the causal / window / partition masks); otherwise every token of the iteration is valid for
+  // every row and no feature is on, and none of that code runs.
+  auto iteration = [&]<bool kMasked>(int base) {
     Chunk<C> kc[U], vc[U];
+    // Aligned caches take the vector loads, others the byte loads; K and V share the offset when
+    // their strides agree: one uniform branch per iteration. Offsets in bytes, unsigned (phys >= 0):
+    // one 32 x 32 -> 64-bit multiply-add per row.
+    auto load_all = [&]<bool kVec, bool kSame>() {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (phys[u] >= 0) {
-        kc[u] = load_chunk(k_cache.row({phys[u], slot[u]}), vec);
-        vc[u] = load_chunk(v_cache.row({phys[u], slot[u]}), vec);
-      } else {
+      for (int u = 0; u < U; ++u) {
         kc[u] = zero_chunk<C>();
         vc[u] = zero_chunk<C>();
+        if (phys[u] >= 0) {
+          const uint32_t blk = static_cast<uint32_t>(phys[u]), off = static_cast<uint32_t>(slot[u]);
+          const uint64_t k_off = static_cast<uint64_t>(blk) * k_block + off * k_token;
+          const uint64_t v_off =
+              kSame ? k_off : static_cast<uint64_t>(blk) * v_block + off * v_token;
+          kc[u] = load_chunk<kVec>(reinterpret_cast<const C*>(k_rows + k_off));
+          vc[u] = load_chunk<kVec>(reinterpret_cast<const C*>(v_rows + v_off));
+        }
       }
+    };
+    if (vec && kv_same) {
+      load_all.template operator()<true, true>();
+    } else if (vec) {
+      load_all.template operator()<true, false>();
+    } else {
+      load_all.template operator()<false, false>();
     }
     locate(base + kStep);  // next iteration's block table entries, while K/V are in flight
 
-    // S = Q K^T for this group's U tokens, reduced across the group's lanes. K is converted
-    // per row, from the raw chunks: cheaper in registers than holding U converted chunks.
+    // S = Q K^T for this group's U tokens: each K chunk converted once, for every row; q read
+    // from shared memory per row (registers hold one row's 8 dims at a time).
     float s[U][kRows];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (r < rows) {
-        float q[kChunkElems];
+    for (int u = 0; u < U; ++u) {
+      float kf[kChunkElems];
+      to_floats(kc[u], kf);
 #pragma unroll
-        for (int d = 0; d < kChunkElems; ++d) q[d] = q_smem[r * HEAD + dim0 + d];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          float kf[kChunkElems];
-          to_floats(kc[u], kf);
-          float dot = 0.f;
-#pragma unroll
-          for (int d = 0; d < kChunkElems; ++d) dot += q[d] * kf[d];
-          s[u][r] = lane_active ? dot : 0.f;
+      for (int r = 0; r < kRows; ++r) {
+        if (r == 0 || r < rows) {  // row 0 always exists: kf is converted there, once
+          const float4 qa = *reinterpret_cast<const float4*>(q_smem + r * HEAD + dim0);
+          const float4 qb = *reinterpret_cast<const float4*>(q_smem + r * HEAD + dim0 + 4);
+          float dot = qa.x * kf[0];
+          dot = fmaf(qa.y, kf[1], dot);
+          dot = fmaf(qa.z, kf[2], dot);
+          dot = fmaf(qa.w, kf[3], dot);
+          dot = fmaf(qb.x, kf[4], dot);
+          dot = fmaf(qb.y, kf[5], dot);
+          dot = fmaf(qb.z, kf[6], dot);
+          dot = fmaf(qb.w, kf[7], dot);
+          s[u][r] = dot;
         }
       }
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (r < rows) {
+      if (r == 0 || r < rows) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -232,42 +271,64 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
       }
     }
 
-    // Soft cap, ALiBi, masks; online softmax; O += P V.
-    float vf[U][kChunkElems];
-#pragma unroll
-    for (int u = 0; u < U; ++u) to_floats(vc[u], vf[u]);
+    // Online softmax: the scores become probabilities in s.
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (r < rows) {
-        const int hi = row_end[r];
-        const float slope = row_slope[r];
+      if (r == 0 || r < rows) {
         float m_new = m[r];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          const int t = token_of(base, u);
           float x = s[u][r];
-          if (p.soft_cap > 0.f) x = p.soft_cap * tanhf(x / p.soft_cap);
-          if (alibi) x += slope * static_cast<float>(t - (hi - 1));
-          const bool valid = t < part_end && t < hi && (window <= 0 || t >= hi - window);
-          s[u][r] = valid ? x * kLog2e : -INFINITY;
-          m_new = fmaxf(m_new, s[u][r]);
+          if constexpr (kMasked) {
+            const int t = token_of(base, u);
+            const int hi = row_end[r];
+            if (soft_cap > 0.f) x = soft_cap * tanhf(x * inv_soft_cap);
+            if (alibi) x += row_slope[r] * kLog2e * static_cast<float>(t - (hi - 1));
+            const bool valid = t < part_end && t < hi && (window <= 0 || t >= hi - window);
+            x = valid ? x : -INFINITY;
+          }
+          s[u][r] = x;
+          m_new = fmaxf(m_new, x);
         }
-        const float base_m = safe_max(m_new);
-        const float alpha = exp2f(m[r] - base_m);
+        // Unmasked, every score is finite: so is the running max.
+        const float base_m = kMasked ? safe_max(m_new) : m_new;
+        const float alpha = fast_exp2(m[r] - base_m);
         m[r] = m_new;
         l[r] *= alpha;
 #pragma unroll
         for (int d = 0; d < kChunkElems; ++d) acc[r][d] *= alpha;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          const float pr = exp2f(s[u][r] - base_m);
-          l[r] += pr;
-#pragma unroll
-          for (int d = 0; d < kChunkElems; ++d) acc[r][d] += pr * vf[u][d];
+          s[u][r] = fast_exp2(s[u][r] - base_m);
+          l[r] += s[u][r];
         }
       }
     }
+    // O += P V: each V chunk converted once, for every row.
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float vf[kChunkElems];
+      to_floats(vc[u], vf);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (r == 0 || r < rows) {
+#pragma unroll
+          for (int d = 0; d < kChunkElems; ++d) acc[r][d] = fmaf(s[u][r], vf[d], acc[r][d]);
+        }
+      }
+    }
+  };
+
+  // Iterations whose tokens every row of the tile sees (below the first row's causal bound, at
+  // or after the last row's window start) run without masks when no feature is on; the rest
+  // (the last, partial iteration of a partition; all of them with soft cap or ALiBi) masked.
+  int base = part_begin;
+  const bool plain = p.soft_cap <= 0.f && !alibi;
+  if (plain && (window <= 0 || base >= last_pos + 1 - window)) {
+    const int plain_end = min(part_end, first_pos + 1);
+    for (; base + kStep <= plain_end; base += kStep) iteration.template operator()<false>(base);
   }
+  for (; base < part_end; base += kStep) iteration.template operator()<true>(base);
 
   // Merge the lane groups of each warp (lanes chunk, chunk + kLanes, ...).
 #pragma unroll
@@ -325,14 +386,14 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     const int head = row_head[r];
     if (plan.num_parts == 1) {
       T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
-      out[d] = from_float<T>(o);
+      store(out + d, from_float<T>(o), "out");
       if (d == 0 && p.lse_out != nullptr) {
-        p.lse_out[token * p.lse_token_stride + head * p.lse_head_stride] = lse;
+        store(p.lse_out + token * p.lse_token_stride + head * p.lse_head_stride, lse, "lse");
       }
     } else {
       const int64_t slot = (token * p.num_heads + head) * plan.num_parts + part;
-      plan.tmp_out[slot * head_size + d] = o;
-      if (d == 0) plan.tmp_lse[slot] = lse;
+      store(plan.tmp_out + slot * head_size + d, o, "workspace");
+      if (d == 0) store(plan.tmp_lse + slot, lse, "workspace");
     }
   }
 }

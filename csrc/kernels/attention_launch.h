@@ -26,9 +26,14 @@ struct AttentionPlan {
 constexpr int kAttnRowsPerBlock = 4;    // attn::kRows
 constexpr int kAttnMinPartTokens = 256;  // smallest partition worth a block of its own
 constexpr int kAttnMaxParts = 64;
-// Split-K aims at this many blocks per SM: 4 resident (the decode kernel's register budget) times
-// 4 waves, so that the last, partly filled wave is a small part of the run.
-constexpr int kAttnTargetBlocksPerSm = 16;
+// Partitions are whole iterations of the decode kernel's loop: a multiple of the tokens per block
+// iteration of every instantiation but fp8 at head size 64 (128; its partitions may end in a
+// partial iteration).
+constexpr int kAttnPartStep = 64;
+
+// Blocks of the decode kernel resident per SM (its __launch_bounds__, every cache dtype); a wave
+// is that times the SM count.
+constexpr int kAttnResidentBlocks = 3;
 
 // The kernel instantiation that runs a head size: 64, 128 or 256 dims (a multiple of 8 up to
 // that; the lanes of the missing dims idle), or 0 when none does.
@@ -57,15 +62,27 @@ inline AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int sm_
   int64_t span = std::max(p.max_seq_len, 1);
   if (p.sliding_window > 0) span = std::min<int64_t>(span, p.sliding_window + kAttnRowsPerBlock);
   const int64_t blocks = static_cast<int64_t>(plan.row_tiles) * p.num_seqs * p.num_kv_heads;
-  const int64_t wanted = (static_cast<int64_t>(sm_count) * kAttnTargetBlocksPerSm + blocks - 1) /
-                         std::max<int64_t>(blocks, 1);
+  // Partitions: as many as fill the resident slots of up to two waves best (the last wave's
+  // empty slots are lost time), fewer on a tie; none when the grid fills a wave alone.
+  const int64_t wave = static_cast<int64_t>(sm_count) * kAttnResidentBlocks;
   const int64_t by_len = (span + min_part_tokens - 1) / min_part_tokens;
-  int64_t parts = std::clamp<int64_t>(std::min(wanted, by_len), 1, kAttnMaxParts);
+  int64_t parts = 1;
+  if (blocks > 0 && blocks < wave) {
+    const int64_t most = std::clamp<int64_t>(std::min(2 * wave / blocks, by_len), 1, kAttnMaxParts);
+    int64_t best_filled = 0, best_slots = 1;  // filled / slots of the best so far
+    for (int64_t n = 1; n <= most; ++n) {
+      const int64_t slots = (blocks * n + wave - 1) / wave * wave;
+      if (blocks * n * best_slots > best_filled * slots) {
+        best_filled = blocks * n, best_slots = slots, parts = n;
+      }
+    }
+  }
   int64_t part_tokens = (span + parts - 1) / parts;
-  part_tokens = (part_tokens + 15) / 16 * 16;
+  part_tokens = (part_tokens + kAttnPartStep - 1) / kAttnPartStep * kAttnPartStep;
   parts = (span + part_tokens - 1) / part_tokens;
   plan.num_parts = static_cast<int32_t>(parts);
-  // One partition covers everything, even past a too-small max_seq_len.
+  // The kernel's last partition runs to the end of each context, even past a too-small
+  // max_seq_len (a CUDA graph's replay of longer sequences); one partition covers everything.
   plan.part_tokens = parts == 1 ? (1 << 30) : static_cast<int32_t>(part_tokens);
   const int64_t elem = attention_element_size(p.cache_dtype);
   const int64_t align = std::min<int64_t>(16, 8 * elem);

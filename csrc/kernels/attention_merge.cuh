@@ -4,6 +4,7 @@
 #include "kernels/compat.cuh"
 #include "kernels/attention_launch.h"
 #include "kernels/dtypes.cuh"
+#include "kernels/memory.cuh"
 
 namespace pagedkv {
 namespace PAGEDKV_KERNEL_NS {
@@ -22,31 +23,61 @@ __device__ __forceinline__ float merged_lse(const float* lse, int n, int stride)
   return m + logf(sum);
 }
 
-// Split-K reduce: out = sum_p exp(lse_p - lse) * partial_p.
+// Split-K reduce: out = sum_p exp(lse_p - lse) * partial_p. The merged lse and the partitions'
+// weights are computed once per block (warp 0, into shared memory), not by every thread.
 // grid: (num_tokens, num_heads), block: kMergeThreads.
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
     paged_attention_reduce_kernel(const PagedAttentionParams p, const AttentionPlan plan) {
+  __shared__ float weight[kAttnMaxParts];
+  __shared__ float merged;
   const int64_t token = blockIdx.x;
   const int head = blockIdx.y;
   if (p.query_start_loc != nullptr && token >= p.query_start_loc[p.num_seqs]) return;
   const int64_t row = token * p.num_heads + head;
   const float* lse = plan.tmp_lse + row * plan.num_parts;
-  const float total = merged_lse(lse, plan.num_parts, 1);
+  const int n = plan.num_parts;
+  if (threadIdx.x < 32) {  // warp 0: max and sum of exp over the partitions, by shuffles
+    const int lane = threadIdx.x;
+    float x[kAttnMaxParts / 32];
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kAttnMaxParts / 32; ++j) {
+      const int i = lane + 32 * j;
+      x[j] = i < n ? load(lse + i, "workspace") : -INFINITY;
+      m = fmaxf(m, x[j]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kAttnMaxParts / 32; ++j) {
+      x[j] = m == -INFINITY ? 0.f : expf(x[j] - m);
+      sum += x[j];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float total = m == -INFINITY ? -INFINITY : m + logf(sum);
+#pragma unroll
+    for (int j = 0; j < kAttnMaxParts / 32; ++j) {
+      const int i = lane + 32 * j;
+      if (i < n) weight[i] = total == -INFINITY ? 0.f : x[j] / sum;
+    }
+    if (lane == 0) merged = total;
+  }
+  __syncthreads();
   T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
-  const float* partial = plan.tmp_out + row * plan.num_parts * p.head_size;
+  const float* partial = plan.tmp_out + row * n * p.head_size;
   for (int d = threadIdx.x; d < p.head_size; d += kMergeThreads) {
     float o = 0.f;
-    if (total != -INFINITY) {
-      for (int i = 0; i < plan.num_parts; ++i) {
-        const float w = expf(lse[i] - total);
-        if (w > 0.f) o += w * partial[i * p.head_size + d];
-      }
+    for (int i = 0; i < n; ++i) {
+      const float w = weight[i];
+      if (w > 0.f) o += w * load(partial + i * p.head_size + d, "workspace");
     }
-    out[d] = from_float<T>(o);
+    store(out + d, from_float<T>(o), "out");
   }
   if (threadIdx.x == 0 && p.lse_out != nullptr) {
-    p.lse_out[token * p.lse_token_stride + head * p.lse_head_stride] = total;
+    store(p.lse_out + token * p.lse_token_stride + head * p.lse_head_stride, merged, "lse");
   }
 }
 
@@ -73,12 +104,12 @@ __global__ void __launch_bounds__(kMergeThreads) merge_attn_states_kernel(const 
   T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
   for (int d = threadIdx.x; d < p.head_size; d += kMergeThreads) {
     // The rows of an empty part (weight 0) are never read: they may hold anything.
-    const float o = (wp > 0.f ? wp * to_float(prefix[d]) : 0.f) +
-                    (ws > 0.f ? ws * to_float(suffix[d]) : 0.f);
-    out[d] = from_float<T>(o);
+    const float o = (wp > 0.f ? wp * to_float(load(prefix + d, "state")) : 0.f) +
+                    (ws > 0.f ? ws * to_float(load(suffix + d, "state")) : 0.f);
+    store(out + d, from_float<T>(o), "out");
   }
   if (threadIdx.x == 0 && p.out_lse != nullptr) {
-    p.out_lse[token * p.out_lse_token_stride + head * p.out_lse_head_stride] = total;
+    store(p.out_lse + token * p.out_lse_token_stride + head * p.out_lse_head_stride, total, "lse");
   }
 }
 

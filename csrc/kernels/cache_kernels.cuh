@@ -7,6 +7,7 @@
 #include "kernels/compat.cuh"
 #include "kernels/cache_launch.h"
 #include "kernels/dtypes.cuh"
+#include "kernels/memory.cuh"
 
 namespace pagedkv {
 namespace PAGEDKV_KERNEL_NS {
@@ -65,18 +66,19 @@ __global__ void reshape_and_cache_kernel(const ReshapeAndCacheParams p) {
   for (int i = threadIdx.x; i < work; i += blockDim.x) {
     const int head = i / vecs_per_head;
     const int d = (i % vecs_per_head) * VEC;
-    const SrcVec k = *reinterpret_cast<const SrcVec*>(key + head * p.key_head_stride + d);
-    const SrcVec v = *reinterpret_cast<const SrcVec*>(value + head * p.value_head_stride + d);
+    const SrcVec k = load(reinterpret_cast<const SrcVec*>(key + head * p.key_head_stride + d), "src");
+    const SrcVec v =
+        load(reinterpret_cast<const SrcVec*>(value + head * p.value_head_stride + d), "src");
     // Strides read from p, not from the typed copies, whose fields would stay in registers.
     CacheVec* k_dst = reinterpret_cast<CacheVec*>(key_row + head * p.key_cache.strides.head + d);
     CacheVec* v_dst =
         reinterpret_cast<CacheVec*>(value_row + head * p.value_cache.strides.head + d);
     if constexpr (is_fp8<Cache>::value) {
-      *k_dst = to_cache<Cache>(k, k_scale);
-      *v_dst = to_cache<Cache>(v, v_scale);
+      store(k_dst, to_cache<Cache>(k, k_scale), "kv");
+      store(v_dst, to_cache<Cache>(v, v_scale), "kv");
     } else {
-      *k_dst = to_cache_same(k);
-      *v_dst = to_cache_same(v);
+      store(k_dst, to_cache_same(k), "kv");
+      store(v_dst, to_cache_same(v), "kv");
     }
   }
 }
@@ -141,10 +143,10 @@ __global__ void copy_blocks_kernel(const CopyBlocksParams p) {
     const int token = row % p.block_size;
     const int64_t k_off = k_cache.in_block(head, token) + byte;
     const int64_t v_off = v_cache.in_block(head, token) + byte;
-    *reinterpret_cast<Chunk*>(k_cache.block(dst) + k_off) =
-        *reinterpret_cast<const Chunk*>(k_cache.block(src) + k_off);
-    *reinterpret_cast<Chunk*>(v_cache.block(dst) + v_off) =
-        *reinterpret_cast<const Chunk*>(v_cache.block(src) + v_off);
+    store(reinterpret_cast<Chunk*>(k_cache.block(dst) + k_off),
+          load(reinterpret_cast<const Chunk*>(k_cache.block(src) + k_off), "kv"), "kv");
+    store(reinterpret_cast<Chunk*>(v_cache.block(dst) + v_off),
+          load(reinterpret_cast<const Chunk*>(v_cache.block(src) + v_off), "kv"), "kv");
   }
 }
 

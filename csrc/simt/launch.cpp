@@ -14,8 +14,11 @@
 #include <mutex>
 #include <numeric>
 #include <thread>
+#include <unordered_map>
+#include <utility>
 
 #include "simt/scheduler.h"
+#include "simt/traffic.h"
 
 namespace simt {
 namespace {
@@ -119,20 +122,57 @@ struct BlockOrder {
   uint64_t total, stride = 1, offset = 0;
 };
 
-void check_launch(const detail::LaunchInfo& l) {
+// Kernels' cudaFuncAttributeMaxDynamicSharedMemorySize (cudaFuncSetAttribute): a launch may ask
+// for more than 48 KiB of dynamic shared memory only up to it, as on a GPU.
+struct SmemOptIns {
+  std::mutex mutex;
+  std::unordered_map<const void*, int> bytes;
+};
+
+SmemOptIns& smem_opt_ins() {
+  static SmemOptIns* s = new SmemOptIns;
+  return *s;
+}
+
+constexpr size_t kDefaultSmem = 48 * 1024, kOptInSmem = 227 * 1024;
+
+// The launch error a GPU reports for this configuration (cudaSuccess: none), and why.
+std::pair<cudaError_t, std::string> check_launch(const detail::LaunchInfo& l) {
   const dim3 g = l.grid, b = l.block;
   const uint64_t threads = uint64_t(b.x) * b.y * b.z;
   std::string bad;
   if (g.x == 0 || g.y == 0 || g.z == 0 || threads == 0) bad = "a grid or block dimension is 0";
   if (threads > 1024) bad = "block has " + std::to_string(threads) + " threads, more than 1024";
   if (b.z > 64) bad = "blockDim.z " + std::to_string(b.z) + " exceeds 64";
-  if (g.y > 65535 || g.z > 65535) bad = "gridDim.y and gridDim.z must be at most 65535";
-  if (g.x > 0x7fffffffu) bad = "gridDim.x exceeds 2^31 - 1";
-  if (l.smem > 227 * 1024) {
-    bad = "dynamic shared memory of " + std::to_string(l.smem) + " bytes exceeds 227 KiB";
+  if (g.y > 65535 || g.z > 65535) {
+    bad = "gridDim (" + std::to_string(g.x) + "," + std::to_string(g.y) + "," +
+          std::to_string(g.z) + "): y and z must be at most 65535";
   }
-  if (!bad.empty()) throw Error("simt: kernel " + detail::kernel_name(l.kernel) + ": " + bad);
+  if (g.x > 0x7fffffffu) bad = "gridDim.x exceeds 2^31 - 1";
+  if (!bad.empty()) return {cudaErrorInvalidConfiguration, bad};
+  if (l.smem > kDefaultSmem) {
+    size_t allowed = kDefaultSmem;
+    {
+      SmemOptIns& o = smem_opt_ins();
+      const std::lock_guard<std::mutex> lock(o.mutex);
+      const auto it = o.bytes.find(l.kernel);
+      if (it != o.bytes.end()) allowed = std::max(allowed, size_t(it->second));
+    }
+    if (l.smem > allowed) {
+      return {cudaErrorInvalidValue,
+              "dynamic shared memory of " + std::to_string(l.smem) + " bytes exceeds " +
+                  (allowed == kDefaultSmem ? std::string("48 KiB without the kernel's "
+                                                         "cudaFuncAttributeMaxDynamicSharedMemorySize")
+                                           : "the kernel's cudaFuncAttributeMaxDynamicSharedMemorySize "
+                                             "of " + std::to_string(allowed))};
+    }
+  }
+  return {cudaSuccess, ""};
 }
+
+// cudaGetLastError's state: per host thread, like the CUDA runtime's.
+thread_local cudaError_t last_error = cudaSuccess;
+thread_local std::string last_message;
 
 }  // namespace
 
@@ -149,7 +189,30 @@ void set_workers(int n) {
 }
 int workers() { return settings().workers; }
 
-cudaError_t get_last_error() { return cudaSuccess; }
+cudaError_t get_last_error() {
+  const cudaError_t err = last_error;
+  last_error = cudaSuccess;
+  return err;
+}
+cudaError_t peek_at_last_error() { return last_error; }
+const std::string& last_error_message() { return last_message; }
+const char* get_error_string(cudaError_t err) {
+  switch (err) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    default: return "unrecognized error code";
+  }
+}
+cudaError_t set_func_attribute(const void* kernel, cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
+  if (value < 0 || size_t(value) > kOptInSmem) return cudaErrorInvalidValue;
+  SmemOptIns& o = smem_opt_ins();
+  const std::lock_guard<std::mutex> lock(o.mutex);
+  o.bytes[kernel] = value;
+  return cudaSuccess;
+}
 cudaError_t get_device(int* device) {
   *device = 0;
   return cudaSuccess;
@@ -198,7 +261,12 @@ void launch(const void* kernel, dim3 grid, dim3 block, size_t smem, Body body,
             const void* context) {
   static std::mutex launch_mutex;  // one grid at a time; its blocks spread over the workers
   const LaunchInfo info{kernel, grid, block, smem, body, context, order(), seed()};
-  check_launch(info);
+  // A bad configuration runs nothing and is reported by cudaGetLastError, as on a GPU.
+  if (auto [err, why] = check_launch(info); err != cudaSuccess) {
+    last_error = err;
+    last_message = "simt: kernel " + kernel_name(kernel) + ": " + why;
+    return;
+  }
   const std::lock_guard<std::mutex> lock(launch_mutex);
   const uint64_t total = uint64_t(grid.x) * grid.y * grid.z;
   const BlockOrder block_order(info.order, info.seed, total);
@@ -220,7 +288,10 @@ void launch(const void* kernel, dim3 grid, dim3 block, size_t smem, Body body,
       }
     }
   };
+  const bool traced = traffic::detail::armed.load(std::memory_order_relaxed);
+  if (traced) traffic::detail::launch_begin(kernel_name(kernel), grid, block, smem);
   Pool::get().run(unsigned(std::min<uint64_t>(uint64_t(workers()), total)), job);
+  if (traced) traffic::detail::launch_end();
   if (failed) throw Error(error);
 }
 

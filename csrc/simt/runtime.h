@@ -63,6 +63,7 @@ struct Thread {
   const unsigned char* stack_hi = nullptr;
   std::vector<AsyncCopy> async_copies;  // pending cp.async, oldest first
   uint32_t async_committed = 0;         // cp.async.commit_group count
+  uint32_t syncs = 0;  // barriers and warp collectives passed (traffic.h groups requests by it)
 };
 
 struct Block {
@@ -125,15 +126,21 @@ class Launcher {
   size_t smem_;
 };
 
-// Host runtime shims (see simt.h): synchronous, any copy kind, always cudaSuccess. The
-// emulated device is one sm_90-like GPU: 132 SMs, 48 KiB shared memory per block (227 KiB
-// opt-in, the most a launch may ask for), 1024 threads per block.
+// Host runtime shims (see simt.h): synchronous, any copy kind. The emulated device is one
+// sm_90-like GPU: 132 SMs, 48 KiB dynamic shared memory per block unless the kernel's
+// cudaFuncAttributeMaxDynamicSharedMemorySize allows more (227 KiB at most), 1024 threads per
+// block. A launch with a bad configuration runs nothing and sets the error that
+// get_last_error() returns (and clears) as cudaGetLastError does; last_error_message() says why.
 cudaError_t get_last_error();
+cudaError_t peek_at_last_error();
+const std::string& last_error_message();
+const char* get_error_string(cudaError_t err);
 cudaError_t get_device(int* device);
 cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int device);
+cudaError_t set_func_attribute(const void* kernel, cudaFuncAttribute attr, int value);
 template <typename Kernel>
-cudaError_t func_set_attribute(Kernel, cudaFuncAttribute, int) {
-  return cudaSuccess;
+cudaError_t func_set_attribute(Kernel kernel, cudaFuncAttribute attr, int value) {
+  return set_func_attribute(reinterpret_cast<const void*>(kernel), attr, value);
 }
 cudaError_t memcpy_async(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                          cudaStream_t stream = nullptr);

@@ -2,6 +2,8 @@
 // last lane of the mask to arrive, and the diagnostics of a block that cannot go on.
 #include "simt/scheduler.h"
 
+#include "simt/traffic.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -152,6 +154,7 @@ void BlockRunner::run(const LaunchInfo& launch, uint3 idx, uint64_t block_linear
     failure = where() + ": " + stuck_message();
   }
   if (!failure.empty()) abandon_waiting_fibers();
+  if (traffic::recording()) traffic::detail::block_end();
   current_thread = nullptr;
   current_block = nullptr;
   active_runner = nullptr;
@@ -215,6 +218,7 @@ void BlockRunner::make_ready(std::vector<unsigned>& ids) {
 uint64_t BlockRunner::sync_threads(int predicate) {
   const RaceIgnore ignore;
   Thread& t = *current_thread;
+  ++t.syncs;
   t.op = Op::syncthreads;
   t.value = uint64_t(predicate != 0);
   // Two sync objects alternate: a fast thread's next barrier cannot complete (and so cannot
@@ -252,6 +256,7 @@ uint64_t BlockRunner::warp_collective(Op op, unsigned mask, uint64_t value, int 
   if (width < 1 || width > 32 || (width & (width - 1))) {
     fail(call() + ": width " + std::to_string(width) + " is not a power of 2 in [1, 32]");
   }
+  ++t.syncs;
   t.op = op;
   t.mask = mask;
   t.value = value;

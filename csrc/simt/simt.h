@@ -49,6 +49,8 @@
 
 // Runtime calls made by kernel launchers: synchronous host versions, errors are exceptions.
 #define cudaGetLastError ::simt::get_last_error
+#define cudaPeekAtLastError ::simt::peek_at_last_error
+#define cudaGetErrorString ::simt::get_error_string
 #define cudaGetDevice ::simt::get_device
 #define cudaDeviceGetAttribute ::simt::device_get_attribute
 #define cudaFuncSetAttribute ::simt::func_set_attribute

@@ -1,15 +1,19 @@
 // simt glue of the attention ops: the CUDA glue (csrc/cuda/attention_ops.cpp) for CPU tensors run
 // by the emulator. The split-K plan assumes a small device and partitions of at least
 // PAGEDKV_SIMT_MIN_PART_TOKENS keys (default 32), so that the tests' short contexts exercise
-// split-K and its reduce kernel as well as the single-partition path.
+// split-K and its reduce kernel as well as the single-partition path. The control
+// pagedkv_simt_ctl.set_plan_max_seq_len plans calls as a CUDA graph captured for shorter
+// sequences would replay them.
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdlib>
 
 #include "glue/attention_kernel.h"
 #include "kernels/attention_launch.h"
 #include "ops/merge_attn_states.h"
 #include "ops/paged_attention.h"
+#include "simt/runtime.h"
 
 namespace pagedkv {
 namespace {
@@ -26,24 +30,43 @@ int simt_min_part_tokens() {
 }
 
 void check(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, op, ": simt launcher returned CUDA error ", int(err));
+  TORCH_CHECK(err == cudaSuccess, op, ": simt launcher returned CUDA error ", int(err), " (",
+              ::simt::get_error_string(err), "): ", ::simt::last_error_message());
 }
+
+// > 0: plan every call as if max_seq_len were at most this (set_plan_max_seq_len): what a CUDA
+// graph captured for shorter sequences replays with, so that tests can replay longer ones.
+std::atomic<int64_t> plan_max_seq_len{0};
 
 void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   check_attention_kernel_exists(p, "simt");
   at::Tensor workspace;
+  PagedAttentionParams planned = p;
+  if (const int64_t cap = plan_max_seq_len.load(); cap > 0 && cap < p.max_seq_len) {
+    planned.max_seq_len = static_cast<int32_t>(cap);
+  }
   const AttentionLaunch run =
-      attention_launch(p, query, kSimtSmCount, -1, simt_min_part_tokens(), workspace);
+      attention_launch(planned, query, kSimtSmCount, -1, simt_min_part_tokens(), workspace);
   check(run.kernel == AttentionKernel::kTensorCore ? simt::paged_attention_tc(p, run.plan, nullptr)
                                                    : simt::paged_attention(p, run.plan, nullptr),
         "paged_attention");
 }
 
 void merge_attn_states(const MergeAttnParams& p, const at::Tensor&) {
+  check_merge_grid(p, "simt");
   check(simt::merge_attn_states(p, nullptr), "merge_attn_states");
 }
 
+void set_plan_max_seq_len(int64_t n) {
+  TORCH_CHECK(n >= 0, "set_plan_max_seq_len: n must be >= 0 (0: off), got ", n);
+  plan_max_seq_len = n;
+}
+
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedkv_simt_ctl, m) {
+  m.def("set_plan_max_seq_len(int n) -> ()", &set_plan_max_seq_len);
+}
 
 TORCH_LIBRARY_IMPL(pagedkv_simt, CPU, m) {
   m.impl("paged_attention", &paged_attention_op<&paged_attention>);

@@ -6,12 +6,14 @@
 #include "ops/copy_blocks.h"
 #include "ops/reshape_and_cache.h"
 #include "ops/swap_blocks.h"
+#include "simt/runtime.h"
 
 namespace pagedkv {
 namespace {
 
 void check(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, op, ": simt launcher returned CUDA error ", int(err));
+  TORCH_CHECK(err == cudaSuccess, op, ": simt launcher returned CUDA error ", int(err), " (",
+              ::simt::get_error_string(err), "): ", ::simt::last_error_message());
 }
 
 void reshape_and_cache(const ReshapeAndCacheParams& p, const at::Tensor&) {

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "simt/runtime.h"
+#include "simt/traffic.h"
 
 namespace {
 
@@ -20,4 +21,6 @@ TORCH_LIBRARY(pagedkv_simt_ctl, m) {
   m.def("set_order(str order, int seed) -> ()", &set_order);
   m.def("set_workers(int n) -> ()", &set_workers);
   m.def("config() -> (str, int, int)", &config);
+  m.def("profile_start() -> ()", [] { simt::traffic::start(); });
+  m.def("profile_stop() -> str", [] { return simt::traffic::stop(); });
 }

@@ -2,17 +2,19 @@
 reshape_and_cache then paged_attention, captured in a torch.cuda.CUDAGraph and replayed with new
 inputs copied into its static tensors, against the same step run eagerly.
 
-Runs only where a GPU is visible; CI has none (the simt backend runs the CUDA kernels there,
-but graph capture needs the CUDA runtime)."""
+The capture runs only where a GPU is visible; CI has none (the simt backend runs the CUDA
+kernels there, but graph capture needs the CUDA runtime). What a replay runs, the split-K plan of
+the captured max_seq_len applied to longer sequences, is checked on simt too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from attention_cases import Case, call, check, make_args
 
 from pagedkv import ops
 
-pytestmark = [
+requires_gpu = [
     pytest.mark.skipif(
         not torch.cuda.is_available(),
         reason="CUDA graph capture needs an NVIDIA GPU (torch.cuda.is_available() is False)",
@@ -60,6 +62,8 @@ def step(t: dict[str, torch.Tensor]) -> None:
                         max_query_len=1, scale=HEAD_SIZE**-0.5, lse_out=t["lse_out"])
 
 
+@requires_gpu[0]
+@requires_gpu[1]
 @pytest.mark.parametrize("kernel", ["auto", "tensor_core"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_decode_step_replays_like_eager(dtype, kernel, monkeypatch):
@@ -105,3 +109,25 @@ def test_decode_step_replays_like_eager(dtype, kernel, monkeypatch):
         torch.testing.assert_close(static["lse_out"], eager["lse_out"], rtol=0, atol=1e-5)
         outs.append(static["out"].clone())
     assert not torch.equal(outs[0], outs[1])  # new inputs, new results: nothing was baked in
+
+
+@pytest.mark.parametrize("seq_lens", [(600, 300), (1000, 129), (513, 17)])
+def test_a_replay_of_longer_sequences_reads_every_key(seq_lens):
+    """A graph captured with max_seq_len 256 keeps that split-K plan (here 2 partitions of 128
+    keys) and replays it on longer sequences: the last partition runs to the end of each context,
+    so no key is dropped. Run on simt with the plan of the capture."""
+    simt = pytest.importorskip("pagedkv.ops.simt")
+    if not simt.available():
+        pytest.skip("pagedkv._simt is not built (no CUDA toolkit headers)")
+    case = Case(seq_lens=seq_lens, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
+                head_size=HEAD_SIZE, dtype=torch.bfloat16)
+    args = make_args(case)
+    simt.set_plan_max_seq_len(256)
+    try:
+        with simt.profile() as prof:
+            call(simt.ops.paged_attention, args)
+    finally:
+        simt.set_plan_max_seq_len(0)
+    grid = prof.launches[0]["grid"]
+    assert grid[0] == 2 and len(prof.launches) == 2  # the plan of max_seq_len 256 split in two
+    check(args)

@@ -201,3 +201,15 @@ def test_rejects_bad_input(backend, name):
     with pytest.raises(RuntimeError, match=message):
         backend.ops.merge_attn_states(*args)
     assert torch.isnan(out).all() and torch.isnan(out_lse).all()
+
+
+def test_more_heads_than_the_grid_allows_is_a_clear_error(backend):
+    """Heads are the CUDA kernel's grid y (at most 65535): the CUDA and simt glue refuse more."""
+    if backend.name == "cpu":
+        pytest.skip("the CPU kernel has no grid")
+    heads, dev = 65536, backend.device
+    out = torch.full((1, heads, 8), float("nan"), device=dev)
+    states = [torch.randn(1, heads, 8, device=dev), torch.zeros(1, heads, device=dev)]
+    with pytest.raises(RuntimeError, match="num_heads 65536 exceeds 65535, the kernel's grid"):
+        backend.ops.merge_attn_states(out, None, *states, *states)
+    assert torch.isnan(out).all()

@@ -467,3 +467,22 @@ def test_rejects_bad_input(backend, name):
     assert torch.isnan(out).all()
     if lse is not None:
         assert torch.isnan(lse).all()
+
+
+@pytest.mark.parametrize("what", ["num_seqs", "num_kv_heads"])
+def test_grid_limits_are_checked_with_a_clear_error(backend, what):
+    """Sequences and kv heads are the CUDA kernel's grid y / z (at most 65535 each): the CUDA
+    and simt glue refuse more with a message naming the argument, before anything is written;
+    the CPU kernels have no such limit."""
+    if backend.name == "cpu":
+        pytest.skip("the CPU kernels have no grid")
+    n = 65536
+    if what == "num_seqs":
+        case = Case(seq_lens=(0,) * n, num_heads=1, num_kv_heads=1, head_size=8, lse=False)
+    else:
+        case = Case(seq_lens=(1,), num_heads=n, num_kv_heads=n, head_size=8, block_size=1,
+                    lse=False)
+    args = make_args(case, backend.device)
+    with pytest.raises(RuntimeError, match=f"{what} {n} exceeds 65535, the kernel's grid limit"):
+        call(backend.ops.paged_attention, args)
+    assert torch.isnan(args["out"]).all()

@@ -1,11 +1,15 @@
 // Emulator self-test kernels (torch-free): host entry points taking host pointers.
 // Used by the pagedkv_simt_selftest torch ops (selftest_ops.cpp) and the ctest executable
-// (tests/simt/selftest_main.cpp). Each runs one launch and throws simt::Error on failure.
+// (tests/simt/selftest_main.cpp). Each runs one launch and throws simt::Error on failure,
+// also when the launch is rejected (a bad configuration, reported by cudaGetLastError).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include <driver_types.h>
 
 namespace simt_selftest {
 
@@ -76,6 +80,16 @@ void tile_matmul(const void* a, const void* b, float* c, int m, int n, int k, bo
 // chunk 0 before any wait, 0 and 1 after wait_group 2, 1 after 1, 2 and 3 after 0, 3 after a
 // commit and wait_group 0.
 void cp_async_groups(const void* src, void* out);
+// A launch of a kernel that fills `smem` bytes of dynamic shared memory, with this grid and
+// block, after cudaFuncSetAttribute(MaxDynamicSharedMemorySize, opt_in) when opt_in > 0:
+// returns what cudaGetLastError reported (and checks that it cleared it), the blocks that ran
+// in ran[0] (ran [2]) and the emulator's reason in message. Does not throw on a launch error.
+cudaError_t launch_config(const int grid[3], const int block[3], size_t smem, int opt_in,
+                          int32_t* ran, std::string* message);
+
+// Traffic counters' test kernels: y = x (n floats) by `blocks` blocks of 128 threads, each
+// copying all of it, coalesced or wastefully (stride-n/32 lanes; see selftest_kernels.cpp).
+void copy(const float* x, float* y, int n, int blocks, bool wasteful);
 
 // Launches the faulty kernel `name` (see fault_names()); always throws simt::Error.
 void run_fault(const std::string& name);

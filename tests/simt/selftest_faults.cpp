@@ -199,6 +199,8 @@ void run_fault(const std::string& name) {
   std::vector<float> buf(2048, 1.0f);
   const Fault& f = it->second;
   PAGEDKV_LAUNCH(f.kernel, f.grid, f.block, f.smem, nullptr)(buf.data());
+  // A configuration fault (oversized_block) runs nothing: the launch's error says why.
+  if (cudaGetLastError() != cudaSuccess) throw simt::Error(simt::last_error_message());
 }
 
 void read_past_end(const float* x, float* out, int n) {

@@ -1,12 +1,19 @@
 // Correct self-test kernels, written as CUDA source with the project's compat macros
 // (see selftest.h for shapes).
 #include "kernels/compat.cuh"
+#include "kernels/memory.cuh"
 #include "selftest.h"
 
 // Kernels have external linkage so that messages can name them (dladdr).
 namespace simt_selftest {
 
 constexpr unsigned kFull = 0xffffffffu;
+
+// A launch the configuration check rejected runs nothing and leaves its error for
+// cudaGetLastError, as on a GPU: the entry points raise it.
+void raise_launch_error() {
+  if (cudaGetLastError() != cudaSuccess) throw simt::Error(simt::last_error_message());
+}
 
 template <int kThreads>
 __global__ void block_sum_kernel(const float* __restrict__ x,  // [blocks, n]
@@ -170,10 +177,40 @@ __global__ void missing_barrier_kernel(const float* __restrict__ in,  // [n]
   out[t] = s[t + 1 < n ? t + 1 : t];
 }
 
+// Writes its dynamic shared memory (every byte of it) and counts the blocks that ran.
+__global__ void smem_fill_kernel(int32_t* __restrict__ ran) {
+  PAGEDKV_DYNAMIC_SMEM(unsigned char, s);
+  const dim3 b = blockDim;
+  const unsigned bytes = unsigned(ran[1]), t = threadIdx.x + b.x * (threadIdx.y + b.y * threadIdx.z);
+  for (unsigned i = t; i < bytes; i += b.x * b.y * b.z) s[i] = 1;
+  __syncthreads();
+  if (t == 0) atomicAdd(&ran[0], 1);
+}
+
+// Traffic: y = x (n floats), every block the whole of it, through the counted accesses.
+// Coalesced: thread t of the block reads x[t], x[t + threads], ...
+__global__ void coalesced_copy_kernel(const float* __restrict__ x, float* __restrict__ y, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    pagedkv::simt::store(y + i, pagedkv::simt::load(x + i, "data"), "data");
+  }
+}
+
+// Wasteful: the same copy walking x column-wise as [32, n / 32]: the 32 lanes of a warp read
+// 4 bytes each at a stride of n / 32 floats, one 32-byte sector per lane (1/8 of it used), and
+// every block reads all of x (re-read once per block). n: a multiple of 32 * blockDim.x.
+__global__ void wasteful_copy_kernel(const float* __restrict__ x, float* __restrict__ y, int n) {
+  const int cols = n / 32;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int j = (i % 32) * cols + i / 32;
+    pagedkv::simt::store(y + j, pagedkv::simt::load(x + j, "data"), "data");
+  }
+}
+
 void block_sum(const float* x, float* out, int blocks, int n, int threads) {
   switch (threads) {
 #define SELFTEST_CASE(T) \
-  case T: PAGEDKV_LAUNCH(block_sum_kernel<T>, blocks, T, 0, nullptr)(x, out, n); return;
+  case T: PAGEDKV_LAUNCH(block_sum_kernel<T>, blocks, T, 0, nullptr)(x, out, n); \
+    raise_launch_error(); return;
     SELFTEST_CASE(32) SELFTEST_CASE(64) SELFTEST_CASE(128) SELFTEST_CASE(256)
     SELFTEST_CASE(512) SELFTEST_CASE(1024)
 #undef SELFTEST_CASE
@@ -183,15 +220,17 @@ void block_sum(const float* x, float* out, int blocks, int n, int threads) {
 
 void warp_loop(const float* x, float* group_sums, float* max_sum, int nblocks) {
   PAGEDKV_LAUNCH(warp_loop_kernel, 1, kWarps * 32, 0, nullptr)(x, group_sums, max_sum, nblocks);
+  raise_launch_error();
 }
 
 void transpose(const float* in, float* out, int rows, int cols) {
   const dim3 grid((cols + kTile - 1) / kTile, (rows + kTile - 1) / kTile), block(kTile, kTileRows);
   PAGEDKV_LAUNCH(transpose_kernel, grid, block, 0, nullptr)(in, out, rows, cols);
+  raise_launch_error();
 }
 
 void reverse_blocks(const float* in, float* out, int blocks, int n) {
-  // What a launcher does before asking for more than 48 KiB (a no-op check here).
+  // What a launcher does before asking for more than 48 KiB of dynamic shared memory.
   int device = -1, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
@@ -201,10 +240,12 @@ void reverse_blocks(const float* in, float* out, int blocks, int n) {
     throw simt::Error("reverse_blocks: device attribute shims failed");
   }
   PAGEDKV_LAUNCH(reverse_kernel, blocks, n, n * sizeof(float), nullptr)(in, out);
+  raise_launch_error();
 }
 
 void read_poison(uint32_t* out, int blocks, int n) {
   PAGEDKV_LAUNCH(read_poison_kernel, blocks, n, n * sizeof(uint32_t), nullptr)(out);
+  raise_launch_error();
 }
 
 void vector_fma(const void* x, void* y, float* sums, int n_vec, bool bf16) {
@@ -218,31 +259,70 @@ void vector_fma(const void* x, void* y, float* sums, int n_vec, bool bf16) {
     PAGEDKV_LAUNCH(k, blocks, threads, 0, nullptr)(static_cast<const __half*>(x),
                                                    static_cast<__half*>(y), sums, n_vec);
   }
+  raise_launch_error();
 }
 
 void grid3d(int32_t* out, const int grid[3], const int block[3]) {
   const dim3 g(grid[0], grid[1], grid[2]), b(block[0], block[1], block[2]);
   PAGEDKV_LAUNCH(grid3d_kernel, g, b, 0, nullptr)(out);
+  raise_launch_error();
 }
 
 void votes(const int32_t* pred, uint32_t* out, int threads) {
   PAGEDKV_LAUNCH(votes_kernel, 1, threads, 0, nullptr)(pred, out);
+  raise_launch_error();
 }
 
 void atomics(int32_t* counters, int blocks, int threads) {
   PAGEDKV_LAUNCH(atomics_kernel, blocks, threads, 0, nullptr)(counters);
+  raise_launch_error();
 }
 
 void partial_warp_sums(const float* x, float* out, int n) {
   PAGEDKV_LAUNCH(partial_warp_sums_kernel, 1, n, 0, nullptr)(x, out, n);
+  raise_launch_error();
 }
 
 void shuffle_outside_mask(const float* x, float* out_of_mask) {
   PAGEDKV_LAUNCH(shuffle_outside_mask_kernel, 1, 16, 0, nullptr)(x, out_of_mask);
+  raise_launch_error();
 }
 
 void missing_barrier(const float* in, float* out, int n) {
   PAGEDKV_LAUNCH(missing_barrier_kernel, 1, n, n * sizeof(float), nullptr)(in, out);
+  raise_launch_error();
+}
+
+cudaError_t launch_config(const int grid[3], const int block[3], size_t smem, int opt_in,
+                          int32_t* ran, std::string* message) {
+  if (opt_in > 0) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        smem_fill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, opt_in);
+    if (err != cudaSuccess) {
+      *message = "cudaFuncSetAttribute failed";
+      return err;
+    }
+  }
+  ran[0] = 0;
+  ran[1] = int32_t(smem);
+  const dim3 g(grid[0], grid[1], grid[2]), b(block[0], block[1], block[2]);
+  PAGEDKV_LAUNCH(smem_fill_kernel, g, b, smem, nullptr)(ran);
+  const cudaError_t peeked = cudaPeekAtLastError();
+  const cudaError_t err = cudaGetLastError();
+  *message = err == cudaSuccess ? "" : simt::last_error_message();
+  if (peeked != err || cudaGetLastError() != cudaSuccess) {
+    throw simt::Error("launch_config: cudaGetLastError did not report and clear the error");
+  }
+  return err;
+}
+
+void copy(const float* x, float* y, int n, int blocks, bool wasteful) {
+  if (wasteful) {
+    PAGEDKV_LAUNCH(wasteful_copy_kernel, blocks, 128, 0, nullptr)(x, y, n);
+  } else {
+    PAGEDKV_LAUNCH(coalesced_copy_kernel, blocks, 128, 0, nullptr)(x, y, n);
+  }
+  raise_launch_error();
 }
 
 }  // namespace simt_selftest

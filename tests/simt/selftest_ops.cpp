@@ -179,6 +179,29 @@ at::Tensor cp_async_groups(const at::Tensor& src) {
   return out;
 }
 
+// -> (error code, blocks that ran, the emulator's reason)
+std::tuple<int64_t, int64_t, std::string> launch_config(at::IntArrayRef grid, at::IntArrayRef block,
+                                                        int64_t smem, int64_t opt_in) {
+  TORCH_CHECK(grid.size() == 3 && block.size() == 3, "grid and block must have 3 dims");
+  const int g[3] = {int(grid[0]), int(grid[1]), int(grid[2])};
+  const int b[3] = {int(block[0]), int(block[1]), int(block[2])};
+  int32_t ran[2] = {0, 0};
+  std::string message;
+  const cudaError_t err =
+      simt_selftest::launch_config(g, b, size_t(smem), int(opt_in), ran, &message);
+  return {int64_t(err), ran[0], message};
+}
+
+// x [n] float32 -> y = x, copied by `blocks` blocks, coalesced or wastefully
+at::Tensor copy(const at::Tensor& x, int64_t blocks, bool wasteful) {
+  check_input(x, "x", at::kFloat);
+  TORCH_CHECK(x.numel() % (32 * 128) == 0, "x must hold a multiple of 4096 values");
+  auto y = at::empty_like(x);
+  simt_selftest::copy(x.data_ptr<float>(), y.data_ptr<float>(), int(x.numel()), int(blocks),
+                      wasteful);
+  return y;
+}
+
 void run_fault(const std::string& name) { simt_selftest::run_fault(name); }
 std::vector<std::string> fault_names() { return simt_selftest::fault_names(); }
 
@@ -218,6 +241,9 @@ TORCH_LIBRARY(pagedkv_simt_selftest, m) {
   m.def("tile_matmul(Tensor a, Tensor b, bool b_kn, bool wait_after_use) -> Tensor",
         &tile_matmul);
   m.def("cp_async_groups(Tensor src) -> Tensor", &cp_async_groups);
+  m.def("launch_config(int[] grid, int[] block, int smem, int opt_in) -> (int, int, str)",
+        &launch_config);
+  m.def("copy(Tensor x, int blocks, bool wasteful) -> Tensor", &copy);
   m.def("run_fault(str name) -> ()", &run_fault);
   m.def("fault_names() -> str[]", &fault_names);
   m.def("memory_fault(str name) -> ()", &memory_fault);

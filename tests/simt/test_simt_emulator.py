@@ -207,6 +207,85 @@ def test_fault_diagnostics(order, name, ops):
     assert torch.equal(ops.block_sum(x, 64), x.sum(1))
 
 
+# cudaErrorInvalidValue, cudaErrorInvalidConfiguration (driver_types.h)
+INVALID_VALUE, INVALID_CONFIGURATION = 1, 9
+KIB = 1024
+
+
+@pytest.mark.parametrize("grid, block, smem, opt_in, error, why", [
+    ((2, 3, 1), (64, 2, 1), 48 * KIB, 0, 0, ""),
+    ((1, 65535, 1), (1, 1, 1), 0, 0, 0, ""),
+    ((1, 65536, 1), (32, 1, 1), 0, 0, INVALID_CONFIGURATION, r"y and z must be at most 65535"),
+    ((1, 1, 65536), (32, 1, 1), 0, 0, INVALID_CONFIGURATION, r"y and z must be at most 65535"),
+    ((0, 1, 1), (32, 1, 1), 0, 0, INVALID_CONFIGURATION, r"a grid or block dimension is 0"),
+    ((1, 1, 1), (32, 0, 1), 0, 0, INVALID_CONFIGURATION, r"a grid or block dimension is 0"),
+    ((1, 1, 1), (1025, 1, 1), 0, 0, INVALID_CONFIGURATION, r"1025 threads, more than 1024"),
+    ((1, 1, 1), (1, 1, 65), 0, 0, INVALID_CONFIGURATION, r"blockDim.z 65 exceeds 64"),
+    ((1, 1, 1), (128, 1, 1), 48 * KIB + 16, 0, INVALID_VALUE,
+     r"49168 bytes exceeds 48 KiB without the kernel's "
+     r"cudaFuncAttributeMaxDynamicSharedMemorySize"),
+    ((2, 1, 1), (128, 1, 1), 100 * KIB, 100 * KIB, 0, ""),
+    ((1, 1, 1), (128, 1, 1), 100 * KIB + 4, 100 * KIB, INVALID_VALUE,
+     r"exceeds the kernel's cudaFuncAttributeMaxDynamicSharedMemorySize of 102400"),
+])
+def test_launch_errors_are_reported_as_a_gpu_reports_them(ops, grid, block, smem, opt_in, error,
+                                                          why):
+    """A bad configuration runs no block and sets the error cudaGetLastError returns (and
+    clears); dynamic shared memory above 48 KiB needs the kernel's opt-in attribute."""
+    code, ran, message = ops.launch_config(list(grid), list(block), smem, opt_in)
+    assert code == error, message
+    if error:
+        assert ran == 0
+        assert re.fullmatch(r"simt: kernel simt_selftest::smem_fill_kernel\(int\*\): .*" + why,
+                            message), message
+    else:
+        assert ran == grid[0] * grid[1] * grid[2] and message == ""
+
+
+def test_the_smem_opt_in_is_bounded_by_the_device(ops):
+    code, _, message = ops.launch_config([1, 1, 1], [32, 1, 1], 0, 227 * KIB + 1)
+    assert code == INVALID_VALUE and message == "cudaFuncSetAttribute failed"
+    assert ops.launch_config([1, 1, 1], [32, 1, 1], 227 * KIB, 227 * KIB)[0] == 0
+
+
+def test_traffic_counters_report_a_wasteful_kernel(ops):
+    """The counters can fail: a copy that walks memory column-wise and re-reads it in every
+    block is reported as 1/8 sector efficiency and a re-read factor of the block count; the
+    coalesced copy of the same data as ideal. Exact counts: 128-thread blocks, 32-lane requests
+    of 4 bytes each."""
+    n, blocks = 8192, 3
+    x = torch.randn(n)
+    with simt.profile() as prof:
+        y_lean = ops.copy(x, blocks, False)
+        y_waste = ops.copy(x, blocks, True)
+    assert torch.equal(y_lean, x) and torch.equal(y_waste, x)
+    assert [launch["kernel"].split("(")[0] for launch in prof.launches] == [
+        "simt_selftest::coalesced_copy_kernel", "simt_selftest::wasteful_copy_kernel"]
+    requests = blocks * n // 32
+    for kernel, sectors, efficiency in [("coalesced", 4, 1.0), ("wasteful", 32, 0.125)]:
+        for op in ("load", "store"):
+            t = prof.total(kernel, "data", op)
+            assert t["requests"] == requests and t["bytes"] == blocks * n * 4
+            assert t["sectors"] == sectors * requests and t["ideal_sectors"] == 4 * requests
+            assert t["sector_efficiency"] == efficiency
+            assert t["distinct_bytes"] == n * 4 and t["reread"] == blocks
+    assert "wasteful_copy_kernel" in prof.table() and "12.5%" in prof.table()
+    assert prof.to_dict()["rows"] == prof.rows()
+
+
+def test_traffic_counters_are_off_outside_a_profile(ops):
+    with simt.profile() as prof:
+        pass
+    assert prof.launches == []
+    ops.copy(torch.randn(4096), 1, True)  # not recorded anywhere
+    with simt.profile() as prof:
+        ops.copy(torch.randn(4096), 1, False)
+        with pytest.raises(RuntimeError, match="already recording"):
+            with simt.profile():
+                pass
+    assert len(prof.launches) == 1
+
+
 def test_controls_reject_bad_values():
     with pytest.raises(
         RuntimeError, match="order must be forward, reverse or random, not 'sideways'"

@@ -19,17 +19,17 @@ from pagedkv.tools.sass import classify, disassemble, find_tool, parse_listing
 from pagedkv.tools.sass_loop import main_loop, profile_loop
 
 # (arch, query dtype, cache dtype, padded head, GQA group) -> instructions per KiB of K/V.
-# Today: sm_90 bf16 153 / 360 / 720, fp8_e4m3 416 / 900 / 1799; sm_80 bf16 147 / 352 / 704,
-# fp8_e4m3 (converted in software on sm_80) 1486 / 3576 / 7153.
+# Today: sm_90 bf16 97 / 201 / 402, fp8_e4m3 200 / 388 / 776; sm_80 bf16 98 / 202 / 403,
+# fp8_e4m3 (converted in software on sm_80) 1272 / 1460 / 2920.
 BUDGETS = {
-    ("sm_90", "bf16", "bf16", 128, 1): 158, ("sm_90", "bf16", "bf16", 128, 4): 371,
-    ("sm_90", "bf16", "bf16", 128, 8): 742,
-    ("sm_90", "bf16", "fp8_e4m3", 128, 1): 428, ("sm_90", "bf16", "fp8_e4m3", 128, 4): 927,
-    ("sm_90", "bf16", "fp8_e4m3", 128, 8): 1853,
-    ("sm_80", "bf16", "bf16", 128, 1): 152, ("sm_80", "bf16", "bf16", 128, 4): 363,
-    ("sm_80", "bf16", "bf16", 128, 8): 725,
-    ("sm_80", "bf16", "fp8_e4m3", 128, 1): 1531, ("sm_80", "bf16", "fp8_e4m3", 128, 4): 3683,
-    ("sm_80", "bf16", "fp8_e4m3", 128, 8): 7368,
+    ("sm_90", "bf16", "bf16", 128, 1): 100, ("sm_90", "bf16", "bf16", 128, 4): 207,
+    ("sm_90", "bf16", "bf16", 128, 8): 414,
+    ("sm_90", "bf16", "fp8_e4m3", 128, 1): 206, ("sm_90", "bf16", "fp8_e4m3", 128, 4): 400,
+    ("sm_90", "bf16", "fp8_e4m3", 128, 8): 800,
+    ("sm_80", "bf16", "bf16", 128, 1): 101, ("sm_80", "bf16", "bf16", 128, 4): 208,
+    ("sm_80", "bf16", "bf16", 128, 8): 416,
+    ("sm_80", "bf16", "fp8_e4m3", 128, 1): 1310, ("sm_80", "bf16", "fp8_e4m3", 128, 4): 1504,
+    ("sm_80", "bf16", "fp8_e4m3", 128, 8): 3008,
 }
 
 

@@ -3,7 +3,7 @@ loads (docs/gpu_model.md).
 
 1. **The main loop.** Every backward branch ``BRA head`` at address ``a`` closes a loop
    ``[head, a]``; the main loop is the one whose body loads the most global bytes (the sum of its
-   ``LDG`` widths), the innermost on a tie. For attention that is the K/V loop; for the cache
+   ``LDG`` widths), the shortest on a tie. For attention that is the K/V loop; for the cache
    kernels the copy loop.
 2. **The hot path of one iteration.** The loop body is cut into basic blocks; an iteration
    enters at the head with weight 1 and every conditional forward branch passes the weight to one
@@ -49,7 +49,7 @@ def loops(kernel: Kernel) -> list[tuple[int, int]]:
 
 
 def main_loop(kernel: Kernel) -> tuple[int, int] | None:
-    """The loop loading the most global bytes per pass (static), the innermost on a tie."""
+    """The loop loading the most global bytes per pass (static), the shortest on a tie."""
     best, key = None, (0, 0)
     for first, last in loops(kernel):
         loaded = sum(load_bytes(i) for i in kernel.instructions[first:last + 1])
