@@ -148,7 +148,10 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   const int window = p.sliding_window;
   const int window_begin = window > 0 ? max(0, first_pos - window + 1) : 0;
   const int part_begin = window_begin + part * plan.part_tokens;
-  const int part_end = min(part_begin + plan.part_tokens, kv_end);
+  // The last partition runs to the end of the context, whatever the plan's max_seq_len was (a
+  // CUDA graph replays a plan captured for shorter sequences: no key may be dropped).
+  const int part_end =
+      part == plan.num_parts - 1 ? kv_end : min(part_begin + plan.part_tokens, kv_end);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
