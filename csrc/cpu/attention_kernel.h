@@ -542,10 +542,11 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
 }
 
 // ---- prefill: small GEMMs -----------------------------------------------------------------
-// A varlen item of many rows (one kv head: its query heads x up to 48 / group query tokens) is
-// computed as two small GEMMs per tile of N keys (N = prefill_keys(D): 32, or 16 past head size
-// 128), with the online softmax between them:
-//   K, V tiles <- the tile's rows converted once into contiguous float rows (kt, vt)
+// A varlen item of many rows (one kv head: its query heads x up to kPrefillRows / group query
+// tokens) is computed as two small GEMMs per tile of N keys (N = prefill_keys: 32, or 16 for
+// rows over 512 bytes), with the online softmax between them:
+//   K, V rows    float caches' rows used where they are; other dtypes converted once per tile
+//                into contiguous float rows (kt, vt)
 //   S^T = K Q^T  in register tiles of kSK keys x kSR vectors of rows: each K element is
 //                broadcast, Q^T is loaded (packed once per item: per block of kRowBlock rows,
 //                [D][kRowBlock], contiguous), no horizontal sums
@@ -554,8 +555,9 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
 //                O rescaled by the row's correction as it is loaded into registers
 // Rows are padded to Mp, a multiple of kSR * W, with zero queries (computed, never written).
 // With AVX512_BF16 (kDotPairs), bfloat16 caches take the same GEMMs on bfloat16 pairs
-// (dot_pairs: vdpbf16ps): Q^T as pairs of head dimensions ([D/2][kRowBlock] per block), K rows as they are,
-// P rounded to bfloat16 as pairs of keys ([N/2][Mp]) and V as pairs of rows ([N/2][D]).
+// (dot_pairs: vdpbf16ps): Q^T as pairs of head dimensions ([D / 2][kRowBlock] per block), K
+// rows as they are, P rounded to bfloat16 as pairs of keys ([N / 2][Mp]) and V as pairs of
+// rows ([N / 2][D]).
 
 #if PKV_ISA >= 2
 constexpr int kSK = 8, kSR = 3, kPR = 12, kPD = 2;  // 32 registers: 24 accumulators each
@@ -571,7 +573,7 @@ static_assert(kRowBlock % kPR == 0 && kPrefillRowAlign % kRowBlock == 0);
 #endif
 constexpr bool kDotPairs = PKV_DOT_PAIRS;
 
-// Keys per tile: the float K (or V) tile stays at 16 KB.
+// Keys per tile: a tile's float K (or V) rows stay at 16 KB.
 constexpr int prefill_keys(int D, int elem) {
   return D * elem > 512 ? kPrefillKeys / 2 : kPrefillKeys;
 }
