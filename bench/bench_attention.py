@@ -1,23 +1,30 @@
-"""Decode attention microbenchmark: pagedkv's paged_attention against two baselines.
+"""Attention microbenchmark: pagedkv's paged_attention, decode and chunked prefill.
 
-Each row (sequences x context, 32 query heads / 8 kv heads, head size 128) reports the median
+Decode rows (sequences x context, 32 query heads / 8 kv heads, head size 128) report the median
 time, the K/V bytes read per second, that rate as a fraction of the machine's read bandwidth,
 and the speedup over
   reference   gather each sequence's blocks (pagedkv.ops.reference.gather_kv) + torch SDPA
   contiguous  torch SDPA on a contiguous [seqs, kv_heads, context, head] cache of the same tokens
+Prefill rows (sequences x new tokens over cached ones, causal, 32 query heads / 8 or 4 kv heads,
+head size 128) report the median time, GFLOP/s (4 x head size per query head and visible key:
+S = Q K^T and O += P V) and that rate as a fraction of the machine's measured peak.
 Every K/V tensor is allocated as pagedkv.PagedKVCache allocates its caches
-(pagedkv.cache.paged_cache.zeros_kv:
-on the CPU, backed by huge pages where Linux allows it).
+(pagedkv.cache.paged_cache.zeros_kv: on the CPU, backed by huge pages where Linux allows it).
 
-    python bench/bench_attention.py [--quick] [--device cpu|cuda]
+    python bench/bench_attention.py [--quick] [--device cpu|cuda] [--only decode|prefill]
 
-prints a table and writes bench/results/attention.json (each row names the CPU kernels in use,
-base, avx2 or avx512, as cpu_kernel; null on a GPU).
+prints the tables and writes bench/results/attention.json (each row names the CPU kernels in
+use, base, avx2, avx512 or avx512bf16, as cpu_kernel; null on a GPU).
 
-The bandwidth is measured in the same loop as the op: every call of the op is followed by a
-torch.sum over 256 MiB (8x a 32 MiB L3), and the fraction is the median over those pairs of
-(K/V bytes / op time) / (probe bytes / probe time). Other load on a shared machine then weighs
-on both sides of each ratio alike; the "bw" column is the median probe rate.
+Each ceiling is measured in the same loop as the op. Decode: every call of the op is followed by
+a torch.sum over 256 MiB (8x a 32 MiB L3), and the fraction is the median over those pairs of
+(K/V bytes / op time) / (probe bytes / probe time); the "bw" column is the median probe rate.
+Prefill (CPU): every call is followed by pagedkv.ops.cpu_peak_gflops (12 independent chains of
+the kernels' own FMA instruction on every thread), and the fraction is the median over the pairs
+of the op's FLOP per CPU second (process time: all its threads) over the probe's per thread.
+Other load on a shared machine then weighs on both sides of each ratio alike; the "GFLOP/s"
+column is wall-clock, "peak" the median probe (all threads). With AVX512_BF16, bf16 rows are
+also given as a fraction of the bf16 dot-product peak ("of bf16 peak").
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ from pagedkv.cache.paged_cache import zeros_kv
 from pagedkv.ops import reference
 
 ROWS = [(8, 2048), (32, 1024), (1, 16384), (64, 512)]
+# Chunked prefill: (sequences, new tokens, cached tokens before them), each with GQA 4 and 8.
+PREFILL_ROWS = [(4, 512, 1024), (2, 2048, 2048)]
+PREFILL_KV_HEADS = [8, 4]
 BLOCK_SIZES = [16, 32]
 DTYPES = [torch.bfloat16, torch.float32]
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
@@ -128,7 +138,111 @@ def contiguous_fn(row: dict, seq_len: int):
     return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
-def run(quick: bool = False, device: str = "cpu") -> list[dict]:
+def peak_gflops(kind: str = "fp32", seconds: float = 0.02) -> float | None:
+    """The CPU's measured peak of kind (pagedkv.ops.cpu_peak_gflops), None where this build or
+    processor has none (an older build; "bf16" without AVX512_BF16)."""
+    try:
+        return pagedkv.ops.cpu_peak_gflops(kind, seconds)
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def make_prefill_row(num_seqs: int, new: int, cached: int, kv_heads: int, dtype: torch.dtype,
+                     device, block_size: int = 16) -> dict:
+    seq_len = cached + new
+    blocks_per_seq = -(-seq_len // block_size)
+    num_blocks = num_seqs * blocks_per_seq + 1
+    shape = (num_blocks, kv_heads, block_size, HEAD_SIZE)
+    table = torch.randperm(num_blocks - 1, device=device)[: num_seqs * blocks_per_seq] + 1
+    query = torch.randn(num_seqs * new, NUM_HEADS, HEAD_SIZE, device=device).to(dtype)
+    return dict(
+        out=torch.empty_like(query),
+        query=query,
+        key_cache=zeros_kv(shape, dtype, device).normal_(),
+        value_cache=zeros_kv(shape, dtype, device).normal_(),
+        block_tables=table.view(num_seqs, blocks_per_seq).int(),
+        seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(0, num_seqs * new + 1, new, dtype=torch.int32,
+                                     device=device),
+        max_seq_len=seq_len, max_query_len=new,
+    )
+
+
+def prefill_flops(num_seqs: int, new: int, cached: int) -> float:
+    """4 x head size per (query head, visible key): query i (of new) sees cached + i + 1 keys."""
+    visible = new * cached + new * (new + 1) // 2
+    return 4.0 * HEAD_SIZE * NUM_HEADS * visible * num_seqs
+
+
+def paired_with_peak(fn, min_reps: int, min_time: float, threads: int):
+    """Times fn (wall and process CPU time) and the FMA peak probe alternately. Returns fn's
+    median wall seconds, its median CPU seconds, the probe's median GFLOP/s (all threads) and the
+    median over the pairs of the probe's GFLOP per CPU second of one thread."""
+    fn()
+    walls, cpus, peaks, per_thread = [], [], [], []
+    start = time.perf_counter()
+    while len(walls) < min_reps or time.perf_counter() - start < min_time:
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+        peak = peak_gflops()
+        if peak is not None:
+            peaks.append(peak)
+            per_thread.append(peak / threads)
+    return walls, cpus, peaks, per_thread
+
+
+def run_prefill(quick: bool, dev: torch.device, cpu_kernel: str | None) -> list[dict]:
+    threads = torch.get_num_threads()
+    rows = PREFILL_ROWS[:1] if quick else PREFILL_ROWS
+    cpu = dev.type == "cpu"
+    bf16_peak = peak_gflops("bf16", 0.05) if cpu else None
+    results = []
+    for dtype in DTYPES:
+        for num_seqs, new, cached in rows:
+            for kv_heads in PREFILL_KV_HEADS:
+                row = make_prefill_row(num_seqs, new, cached, kv_heads, dtype, dev)
+                args = (row["query"], row["key_cache"], row["value_cache"], row["block_tables"],
+                        row["seq_lens"], row["query_start_loc"], row["max_seq_len"],
+                        row["max_query_len"], HEAD_SIZE**-0.5)
+
+                def call(out=row["out"], args=args):
+                    pagedkv.ops.paged_attention(out, *args)
+                    sync(dev)
+
+                flops = prefill_flops(num_seqs, new, cached)
+                if cpu:
+                    walls, cpus, peaks, per_thread = paired_with_peak(
+                        call, 3 if quick else 5, 0.0 if quick else 2.0, threads)
+                    # per pair: the op's FLOP per CPU second over one thread's peak
+                    fractions = [flops / c / 1e9 / p
+                                 for c, p in zip(cpus, per_thread, strict=False)]
+                else:
+                    walls = [median_seconds(call, dev, 3 if quick else 5, 0.0 if quick else 1.0)]
+                    cpus, peaks, fractions = [], [], []
+                wall = statistics.median(walls)
+                peak = statistics.median(peaks) if peaks else None
+                fraction = statistics.median(fractions) if fractions else None
+                results.append(dict(
+                    kind="prefill", dtype=str(dtype).removeprefix("torch."), num_seqs=num_seqs,
+                    new_tokens=new, cached_tokens=cached, num_heads=NUM_HEADS,
+                    num_kv_heads=kv_heads, block_size=16, threads=threads, device=str(dev),
+                    cpu_kernel=cpu_kernel, bf16_dot=cpu_kernel == "avx512bf16",
+                    ms=wall * 1e3, cpu_ms=statistics.median(cpus) * 1e3 if cpus else None,
+                    gflop=flops / 1e9, gflops=flops / wall / 1e9,
+                    gflops_per_cpu_s=flops / statistics.median(cpus) / 1e9 if cpus else None,
+                    peak_gflops=peak, peak_fraction=fraction,
+                    bf16_peak_gflops=bf16_peak,
+                    bf16_peak_fraction=(fraction * peak / bf16_peak
+                                        if bf16_peak and peak and fraction and
+                                        dtype == torch.bfloat16 else None),
+                ))
+                del row
+    return results
+
+
+def run(quick: bool = False, device: str = "cpu", only: str | None = None) -> list[dict]:
     dev = torch.device(device)
     probe = torch.ones(2**26, device=dev)  # 256 MiB, summed after every call of the op
     rows = ROWS[:1] + ROWS[2:3] if quick else ROWS
@@ -136,7 +250,7 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
     # The CPU kernels the op runs here (base, avx2, avx512), so results of machines compare.
     cpu_kernel = pagedkv.ops.cpu_attention_kernel(HEAD_SIZE) if dev.type == "cpu" else None
     results = []
-    for dtype in DTYPES:
+    for dtype in DTYPES if only != "prefill" else []:
         for num_seqs, seq_len in rows:
             for block_size in block_sizes:
                 row = make_row(num_seqs, seq_len, block_size, dtype, dev)
@@ -147,6 +261,7 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
                 ref = median_seconds(reference_fn(row, seq_len), dev, 2, 0.0 if quick else 0.5)
                 cont = median_seconds(contiguous_fn(row, seq_len), dev, 2, 0.0 if quick else 0.5)
                 results.append(dict(
+                    kind="decode",
                     dtype=str(dtype).removeprefix("torch."), num_seqs=num_seqs, seq_len=seq_len,
                     block_size=block_size, threads=torch.get_num_threads(), device=device,
                     cpu_kernel=cpu_kernel,
@@ -156,10 +271,44 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
                     speedup_reference=ref / ours, speedup_contiguous=cont / ours,
                 ))
                 del row
+    if only != "decode":
+        results += run_prefill(quick, dev, cpu_kernel)
     return results
 
 
 def print_table(results: list[dict]) -> None:
+    decode = [r for r in results if r["kind"] == "decode"]
+    if decode:
+        print_decode(decode)
+    prefill = [r for r in results if r["kind"] == "prefill"]
+    if prefill:
+        print_prefill(prefill)
+
+
+def print_prefill(results: list[dict]) -> None:
+    r0 = results[0]
+    kernel = f" ({r0['cpu_kernel']} kernels)" if r0["cpu_kernel"] else ""
+    print(f"\nchunked prefill, {r0['threads']} threads, {r0['device']}{kernel}; peak: FMA probe "
+          "after every call (median, all threads); of peak: median over those pairs, per CPU "
+          "second" + (f"; bf16 dot-product peak {r0['bf16_peak_gflops']:.0f} GFLOP/s"
+                      if r0["bf16_peak_gflops"] else ""))
+    print(f"{'dtype':>9} {'seqs x new + cached':>20} {'q/kv':>5} {'ms':>9} {'GFLOP/s':>8} "
+          f"{'/CPU s':>7} {'peak':>6} {'of peak':>8}"
+          + (f" {'of bf16':>8}" if r0["bf16_peak_gflops"] else ""))
+    for r in results:
+        frac = f"{r['peak_fraction']:8.0%}" if r["peak_fraction"] is not None else f"{'-':>8}"
+        peak = f"{r['peak_gflops']:6.0f}" if r["peak_gflops"] else f"{'-':>6}"
+        line = (f"{r['dtype']:>9} {r['num_seqs']:>3} x {r['new_tokens']:>4} + "
+                f"{r['cached_tokens']:<6} {r['num_heads']:>2}/{r['num_kv_heads']:<2} "
+                f"{r['ms']:9.1f} {r['gflops']:8.1f} {r['gflops_per_cpu_s'] or 0:7.1f} {peak} "
+                f"{frac}")
+        if r0["bf16_peak_gflops"]:
+            bf = r["bf16_peak_fraction"]
+            line += f" {bf:8.0%}" if bf is not None else f" {'-':>8}"
+        print(line)
+
+
+def print_decode(results: list[dict]) -> None:
     if not results:
         return
     kernel = f" ({results[0]['cpu_kernel']} kernels)" if results[0]["cpu_kernel"] else ""
@@ -179,8 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rows and repetitions")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--only", choices=["decode", "prefill"], help="one kind of rows")
     opts = parser.parse_args(argv)
-    results = run(quick=opts.quick, device=opts.device)
+    results = run(quick=opts.quick, device=opts.device, only=opts.only)
     print_table(results)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1))

@@ -16,6 +16,12 @@ TORCH_LIBRARY(pagedkv, m) {
                 head_size);
     return std::string(pagedkv::cpu::attention_kernel_name(static_cast<int32_t>(head_size)));
   });
+  // The CPU's measured peak rate (GFLOP/s on every thread of ATen's pool) of float FMAs ("fp32")
+  // or bfloat16 dot products ("bf16", AVX512_BF16 only), with the kernels' own instructions.
+  m.def("cpu_peak_gflops(str kind='fp32', float seconds=0.05) -> float",
+        [](std::string kind, double seconds) {
+          return pagedkv::cpu::peak_gflops(kind.c_str(), seconds);
+        });
 }
 
 extern "C" PyObject* PyInit__C(void) {

@@ -73,7 +73,8 @@ def unique_slots(num_tokens: int, num_slots: int, padding: int, device) -> torch
 # The instruction sets of the CPU attention kernels, narrowest first, and the processor flags
 # each needs (csrc/cpu/attention_isa.inc), read independently of the extension's own test.
 CPU_ISAS = {"base": set(), "avx2": {"avx2", "fma", "f16c"},
-            "avx512": {"avx512f", "avx2", "fma", "f16c"}}
+            "avx512": {"avx512f", "avx2", "fma", "f16c"},
+            "avx512bf16": {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "f16c"}}
 
 
 def cpu_flags() -> set[str]:
@@ -90,11 +91,12 @@ def cpu_has(isa: str) -> bool:
     return not CPU_ISAS[isa] or (platform.machine() == "x86_64" and CPU_ISAS[isa] <= cpu_flags())
 
 
-def expected_cpu_kernel(head_size: int, most: str = "avx512") -> str:
+def expected_cpu_kernel(head_size: int, most: str = "avx512bf16") -> str:
     """The kernels csrc/cpu/attention.cpp should pick: the widest set, at most ``most``, that the
-    processor has and whose vectors (16 floats for avx512, else 8) divide ``head_size``."""
+    processor has and whose vectors (16 floats for the avx512 sets, else 8) divide
+    ``head_size``."""
     allowed = list(CPU_ISAS)[:list(CPU_ISAS).index(most) + 1]
-    lanes = {"avx512": 16}
+    lanes = {"avx512": 16, "avx512bf16": 16}
     wide = [isa for isa in allowed if cpu_has(isa) and head_size % lanes.get(isa, 8) == 0]
     return wide[-1] if wide else "base"
 
@@ -103,7 +105,9 @@ def use_cpu_isa(monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
     """Runs the CPU kernels compiled for ``isa`` (PAGEDKV_CPU_ISA, read at every call); skips
     where this processor lacks it."""
     if not cpu_has(isa):
-        pytest.skip(f"this processor has no {isa}: its kernels are compiled but cannot run here")
+        missing = " ".join(sorted(CPU_ISAS[isa] - cpu_flags())) or "x86-64"
+        pytest.skip(f"this processor has no {isa} (lacks {missing}): its kernels are compiled "
+                    "but cannot run here")
     monkeypatch.setenv("PAGEDKV_CPU_ISA", isa)
 
 

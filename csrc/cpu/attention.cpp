@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <time.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -19,7 +21,8 @@
 namespace pagedkv::cpu {
 namespace {
 
-constexpr int kMaxRowsPerItem = 64;   // varlen: query rows (heads x tokens) sharing a K/V read
+constexpr int kMaxRowsPerItem = kPrefillRows;  // varlen: query rows (heads x tokens) sharing
+                                              // a K/V read
 constexpr int kMinKeysPerItem = 256;  // split-K never makes items shorter than this
 constexpr int kItemsPerThread = 4;    // split until the items are about this many per thread
 
@@ -33,6 +36,13 @@ constexpr const char* kIsaNames = PAGEDKV_CPU_ISAS(PAGEDKV_ISA_NAME);
 
 // The index in kIsas of the instruction set PAGEDKV_CPU_ISA names, which the processor must
 // have; without it, the widest.
+// CPU seconds of the calling thread.
+double thread_cpu_seconds() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
 size_t widest_allowed() {
   const char* want = std::getenv("PAGEDKV_CPU_ISA");
   if (want == nullptr || *want == '\0') return std::size(kIsas) - 1;
@@ -166,6 +176,45 @@ void merge_attn_states(const MergeAttnParams& p, const at::Tensor&) {
 }  // namespace
 
 const char* attention_kernel_name(int32_t head_size) { return select_kernels(head_size).name; }
+
+double peak_gflops(const char* kind_name, double seconds) {
+  const bool fp32 = std::strcmp(kind_name, "fp32") == 0;
+  TORCH_CHECK_VALUE(fp32 || std::strcmp(kind_name, "bf16") == 0,
+                    "cpu_peak_gflops: kind must be 'fp32' or 'bf16', got '", kind_name, "'");
+  TORCH_CHECK_VALUE(seconds > 0 && seconds <= 10,
+                    "cpu_peak_gflops: seconds must be in (0, 10], got ", seconds);
+  const int kind = fp32 ? kPeakFma : kPeakBf16Dot;
+  const AttentionKernels* k = nullptr;  // the widest allowed set this processor has for kind
+  for (size_t i = widest_allowed() + 1; i-- > 0 && k == nullptr;) {
+    if (kIsas[i]->cpu_has() && (fp32 || kIsas[i]->bf16_dot)) k = kIsas[i];
+  }
+  TORCH_CHECK_VALUE(k != nullptr, "cpu_peak_gflops: bf16 dot products need AVX512_BF16, which "
+                    "this processor lacks (or PAGEDKV_CPU_ISA excludes avx512bf16)");
+  // Rounds for about `seconds`, from a calibration run on this thread.
+  int64_t iters = 1 << 12;
+  for (;;) {
+    const double t0 = thread_cpu_seconds();
+    k->peak_loop(kind, iters);
+    const double t = thread_cpu_seconds() - t0;
+    if (t > 2e-3 || iters > (int64_t{1} << 40)) {
+      iters = std::max<int64_t>(1, static_cast<int64_t>(iters * seconds / t));
+      break;
+    }
+    iters *= 4;
+  }
+  const int threads = at::get_num_threads();
+  std::vector<double> rates(threads, 0.0);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const double t0 = thread_cpu_seconds();
+      const int64_t flops = k->peak_loop(kind, iters);
+      rates[i] = static_cast<double>(flops) / (thread_cpu_seconds() - t0) / 1e9;
+    }
+  });
+  double total = 0;
+  for (double r : rates) total += r;
+  return total;
+}
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("paged_attention", &paged_attention_op<&paged_attention>);

@@ -541,14 +541,456 @@ void attend_typed(const PagedAttentionParams& p, const WorkItem& w, float* scrat
   }
 }
 
+// ---- prefill: small GEMMs -----------------------------------------------------------------
+// A varlen item of many rows (one kv head: its query heads x up to kPrefillRows / group query
+// tokens) is computed as two small GEMMs per tile of N keys (N = prefill_keys: 32, or 16 for
+// rows over 512 bytes), with the online softmax between them:
+//   K, V rows    float caches' rows used where they are; other dtypes converted once per tile
+//                into contiguous float rows (kt, vt)
+//   S^T = K Q^T  in register tiles of kSK keys x kSR vectors of rows: each K element is
+//                broadcast, Q^T is loaded (packed once per item: per block of kRowBlock rows,
+//                [D][kRowBlock], contiguous), no horizontal sums
+//   softmax      down the keys, on whole vectors of rows: max, exp and sum are vertical
+//   O += P V     in register tiles of kPR rows x kPD vectors of columns, each p broadcast,
+//                O rescaled by the row's correction as it is loaded into registers
+// Rows are padded to Mp, a multiple of kSR * W, with zero queries (computed, never written).
+// With AVX512_BF16 (kDotPairs), bfloat16 caches take the same GEMMs on bfloat16 pairs
+// (dot_pairs: vdpbf16ps): Q^T as pairs of head dimensions ([D / 2][kRowBlock] per block), K
+// rows as they are, P rounded to bfloat16 as pairs of keys ([N / 2][Mp]) and V as pairs of
+// rows ([N / 2][D]).
+
+#if PKV_ISA >= 2
+constexpr int kSK = 8, kSR = 3, kPR = 12, kPD = 2;  // 32 registers: 24 accumulators each
+#else
+constexpr int kSK = 4, kSR = 3, kPR = 6, kPD = 2;  // 16 registers: 12 accumulators each
+#endif
+constexpr int kRowBlock = kSR * W;  // Mp is a multiple: 24 (8 lanes) or 48 (16 lanes)
+static_assert(kRowBlock % kPR == 0 && kPrefillRowAlign % kRowBlock == 0);
+// The bf16 pair path: AVX512_BF16's; PKV_DOT_PAIRS=1 forces it on any set, with dot_pairs as
+// two FMAs (a check of its arithmetic where vdpbf16ps is missing, not a build of the library).
+#ifndef PKV_DOT_PAIRS
+#define PKV_DOT_PAIRS (PKV_ISA == 3)
+#endif
+constexpr bool kDotPairs = PKV_DOT_PAIRS;
+
+// Keys per tile: a tile's float K (or V) rows stay at 16 KB.
+constexpr int prefill_keys(int D, int elem) {
+  return D * elem > 512 ? kPrefillKeys / 2 : kPrefillKeys;
+}
+static_assert(kPrefillKeys % (4 * kSK) == 0);
+
+struct PrefillScratch {
+  float *qt, *o, *st, *kt, *vt, *m, *l, *corr, *slope;
+  int32_t *qpos, *lo;
+};
+
+// Layout of scratch_floats(rows, D) floats for an item of Mp padded rows (see attention_work.h).
+inline PrefillScratch carve_prefill(float* base, int Mp, int N, int D) {
+  PrefillScratch s;
+  s.qt = base;            // [Mp / kRowBlock][D][kRowBlock] floats, or [..][D / 2][..] pairs
+  s.o = s.qt + D * Mp;    // [Mp][D]
+  s.st = s.o + Mp * D;    // [N][Mp]: S^T, then P^T; P^T as pairs after it ([N / 2][Mp])
+  s.kt = s.st + 2 * N * Mp;  // [N][D] floats, or bf16 rows
+  s.vt = s.kt + N * D;       // [N][D] floats, or [N / 2][D] pairs
+  s.m = s.vt + N * D;
+  s.l = s.m + Mp;
+  s.corr = s.l + Mp;
+  s.slope = s.corr + Mp;
+  s.qpos = reinterpret_cast<int32_t*>(s.slope + Mp);
+  s.lo = s.qpos + Mp;
+  return s;
+}
+
+inline uint32_t load_u32(const void* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  return x;
+}
+
+// st[t * Mp + r] = k_t . q_r for KB keys (float rows k[t]) and RV * W rows (a block of qt,
+// [D][kRowBlock]).
+template <int KB, int RV>
+[[gnu::always_inline]] inline void st_block(const float* qt, int Mp, const float* const* k,
+                                            int D, float* st) {
+  const float* kr[KB];
+#pragma GCC unroll 8
+  for (int t = 0; t < KB; ++t) kr[t] = k[t];
+  vf acc[KB * RV];
+#pragma GCC unroll 24
+  for (int i = 0; i < KB * RV; ++i) acc[i] = splat(0.f);
+  for (int d = 0; d < D; ++d) {
+    vf q[RV];
+#pragma GCC unroll 4
+    for (int j = 0; j < RV; ++j) {
+      q[j] = load(qt + d * kRowBlock + j * W);
+      in_register(q[j]);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < KB; ++t) {
+      const vf kv = splat(kr[t][d]);
+#pragma GCC unroll 4
+      for (int j = 0; j < RV; ++j) acc[t * RV + j] = fmadd(kv, q[j], acc[t * RV + j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < KB; ++t)
+#pragma GCC unroll 4
+    for (int j = 0; j < RV; ++j) store(st + t * Mp + j * W, acc[t * RV + j]);
+}
+
+// st_block on bfloat16 pairs: qp a block of [D / 2][kRowBlock] pairs, kt bfloat16 rows (stride
+// D elements).
+template <int KB, int RV>
+[[gnu::always_inline]] inline void st_block_pairs(const uint32_t* qp, int Mp,
+                                                  const uint16_t* kt, int D, float* st) {
+  vf acc[KB * RV];
+#pragma GCC unroll 24
+  for (int i = 0; i < KB * RV; ++i) acc[i] = splat(0.f);
+  for (int dp = 0; dp < D / 2; ++dp) {
+    vu q[RV];
+#pragma GCC unroll 4
+    for (int j = 0; j < RV; ++j) q[j] = load_raw<vu>(qp + dp * kRowBlock + j * W);
+#pragma GCC unroll 8
+    for (int t = 0; t < KB; ++t) {
+      const vu k = splat_u32(load_u32(kt + t * D + 2 * dp));
+#pragma GCC unroll 4
+      for (int j = 0; j < RV; ++j) acc[t * RV + j] = dot_pairs(acc[t * RV + j], k, q[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < KB; ++t)
+#pragma GCC unroll 4
+    for (int j = 0; j < RV; ++j) store(st + t * Mp + j * W, acc[t * RV + j]);
+}
+
+// o[r][0, DV * W) = o[r][..] * corr[r] + sum_t p[t * Mp + r] v_t[d0, d0 + DV * W) for RB rows
+// (o row stride D) and the tile's n keys (float rows v[t]).
+template <int RB, int DV>
+[[gnu::always_inline]] inline void pv_block(const float* pt, int Mp, const float* corr,
+                                            const float* const* v, int d0, int n, int D,
+                                            float* o) {
+  vf acc[RB * DV];
+#pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r) {
+    const vf c = splat(corr[r]);
+#pragma GCC unroll 4
+    for (int j = 0; j < DV; ++j) acc[r * DV + j] = load(o + r * D + j * W) * c;
+  }
+  for (int t = 0; t < n; ++t) {
+    vf vv[DV];
+    const float* row = v[t] + d0;
+#pragma GCC unroll 4
+    for (int j = 0; j < DV; ++j) {
+      vv[j] = load(row + j * W);
+      in_register(vv[j]);
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < RB; ++r) {
+      const vf pr = splat(pt[t * Mp + r]);
+#pragma GCC unroll 4
+      for (int j = 0; j < DV; ++j) acc[r * DV + j] = fmadd(pr, vv[j], acc[r * DV + j]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < DV; ++j) store(o + r * D + j * W, acc[r * DV + j]);
+}
+
+// pv_block on bfloat16 pairs: pp [np][Mp] pairs of keys, vp [np][D] pairs of V rows.
+template <int RB, int DV>
+[[gnu::always_inline]] inline void pv_block_pairs(const uint32_t* pp, int Mp, const float* corr,
+                                                  const uint32_t* vp, int np, int D, float* o) {
+  vf acc[RB * DV];
+#pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r) {
+    const vf c = splat(corr[r]);
+#pragma GCC unroll 4
+    for (int j = 0; j < DV; ++j) acc[r * DV + j] = load(o + r * D + j * W) * c;
+  }
+  for (int tp = 0; tp < np; ++tp) {
+    vu v[DV];
+#pragma GCC unroll 4
+    for (int j = 0; j < DV; ++j) v[j] = load_raw<vu>(vp + tp * D + j * W);
+#pragma GCC unroll 12
+    for (int r = 0; r < RB; ++r) {
+      const vu pr = splat_u32(pp[tp * Mp + r]);
+#pragma GCC unroll 4
+      for (int j = 0; j < DV; ++j) acc[r * DV + j] = dot_pairs(acc[r * DV + j], pr, v[j]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < DV; ++j) store(o + r * D + j * W, acc[r * DV + j]);
+}
+
+// The online softmax of a tile for W rows from r0, down its n keys from key position key0:
+// S^T (times mul, then soft cap, ALiBi and the mask where they apply) becomes P^T in place;
+// the rows' max, sum and the correction of their accumulators (corr) are updated.
+inline void softmax_rows(const PagedAttentionParams& p, const PrefillScratch& sc, int Mp,
+                         int r0, int64_t key0, int n, bool masked, float mul) {
+  float* st = sc.st + r0;
+  const vf m_old = load(sc.m + r0);
+  vf mx = m_old;
+  const float cap = p.soft_cap;
+  const bool alibi = p.alibi_slopes != nullptr;
+  if (!masked && cap == 0.f && !alibi && mul == 1.f) {
+    for (int t = 0; t < n; ++t) mx = vmax(mx, load(st + t * Mp));
+  } else {
+    const float inv_cap = cap > 0.f ? 1.f / cap : 0.f;
+    const vf slope = load(sc.slope + r0);
+    const vi qpos = load_raw<vi>(sc.qpos + r0), lo = load_raw<vi>(sc.lo + r0);
+    for (int t = 0; t < n; ++t) {
+      vf x = load(st + t * Mp) * mul;
+      if (cap > 0.f) x = cap * vtanh(x * inv_cap);
+      const vi key = vi{} + static_cast<int32_t>(key0 + t);
+      if (alibi) x = fmadd(slope, __builtin_convertvector(key - qpos, vf), x);
+      if (masked) x = (key >= lo) & (key <= qpos) ? x : splat(kNegInf);
+      store(st + t * Mp, x);
+      mx = vmax(mx, x);
+    }
+  }
+  // Rows that see nothing yet keep m = -inf: their shift is 0, so that exp gives 0, not NaN.
+  const vf shift = mx == kNegInf ? splat(0.f) : mx;
+  const vf corr = vexp_nonpositive(m_old - shift);
+  vf sum = splat(0.f);
+  for (int t = 0; t < n; ++t) {
+    const vf e = vexp_nonpositive(load(st + t * Mp) - shift);
+    store(st + t * Mp, e);
+    sum += e;
+  }
+  store(sc.corr + r0, corr);
+  store(sc.l + r0, fmadd(load(sc.l + r0), corr, sum));
+  store(sc.m + r0, mx);
+}
+
+template <typename C>
+void attend_prefill(const PagedAttentionParams& p, const WorkItem& w, float* scratch,
+                    const Partials& partials) {
+  constexpr bool kPairsHere = kDotPairs && std::is_same_v<C, bf16_t>;
+  const ItemShape shape = item_shape(p, w);
+  const int D = p.head_size, M = shape.rows;
+  const int Mp = (M + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int N = prefill_keys(D, sizeof(C));
+  const PrefillScratch sc = carve_prefill(scratch, Mp, N, D);
+  const float k_mul = cache_factor<C>() * (p.k_scale ? *p.k_scale : 1.f);
+  const float v_mul = cache_factor<C>() * (p.v_scale ? *p.v_scale : 1.f);
+  // With pairs, Q stays bfloat16 (the query's own numbers) and S is scaled in the softmax.
+  const float s_mul = kPairsHere ? p.scale * k_mul : 1.f;
+  for (int r = 0; r < Mp; ++r) {
+    // Row r's place in Q^T: block r / kRowBlock, column r % kRowBlock.
+    float* const qt_r = sc.qt + r / kRowBlock * kRowBlock * D + r % kRowBlock;
+    uint32_t* const qp_r = reinterpret_cast<uint32_t*>(qt_r);
+    if (r >= M) {
+      for (int d = 0; d < D; ++d) qt_r[d * kRowBlock] = 0.f;  // pairs: 0 too, D / 2 of them
+      sc.qpos[r] = std::numeric_limits<int32_t>::max() / 2;   // padding rows see every key
+      sc.lo[r] = std::numeric_limits<int32_t>::min() / 2;
+      sc.slope[r] = 0.f;
+    } else {
+      const int64_t token = shape.token0 + shape.query(r);
+      const int32_t head = shape.head(r);
+      const char* src = static_cast<const char*>(p.query) +
+                        (token * p.q_token_stride + head * p.q_head_stride) * elem_bytes(p.dtype);
+      if constexpr (kPairsHere) {
+        const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);  // dtype is bfloat16
+        for (int d = 0; d < D; d += 2)
+          qp_r[d / 2 * kRowBlock] = bits[d] | uint32_t{bits[d + 1]} << 16;
+      } else {
+        float* row = sc.o + r * D;  // a row of o as room to convert into
+        load_row(p.dtype, src, D, p.scale * k_mul, row);
+        for (int d = 0; d < D; ++d) qt_r[d * kRowBlock] = row[d];
+      }
+      sc.qpos[r] = shape.qpos0 + shape.query(r);
+      sc.lo[r] = p.sliding_window > 0 ? sc.qpos[r] - p.sliding_window + 1
+                                      : std::numeric_limits<int32_t>::min() / 2;
+      sc.slope[r] = p.alibi_slopes ? p.alibi_slopes[head] : 0.f;
+    }
+    sc.m[r] = kNegInf;
+    sc.l[r] = 0.f;
+  }
+  std::memset(sc.o, 0, sizeof(float) * Mp * D);
+  const int32_t qpos_first = shape.qpos0, qpos_last = shape.qpos0 + w.q_count - 1;
+  const int64_t lo_last = p.sliding_window > 0 ? int64_t{qpos_last} - p.sliding_window + 1 : 0;
+
+  const int32_t* table = p.block_tables + w.seq * p.block_table_stride;
+  RowCursor k_cursor(p.key_cache, table, w.key_begin);
+  RowCursor v_cursor(p.value_cache, table, w.key_begin);
+  int64_t k_off[2][kPrefillKeys], v_off[2][kPrefillKeys];  // of this tile and the next one
+  const auto keys_from = [&](int64_t key0) {
+    return static_cast<int>(std::clamp<int64_t>(w.key_end - key0, 0, N));
+  };
+  const C* k_head = p.key_cache.as<const C>().head(w.kv_head).data;
+  const C* v_head = p.value_cache.as<const C>().head(w.kv_head).data;
+  const int row_bytes = D * static_cast<int>(sizeof(C));
+  uint16_t* const kt16 = reinterpret_cast<uint16_t*>(sc.kt);
+  uint32_t* const vp = reinterpret_cast<uint32_t*>(sc.vt);
+  uint32_t* const pp = reinterpret_cast<uint32_t*>(sc.st + N * Mp);
+  // The tile's K and V rows as floats: the cache's own (float caches) or kt's and vt's.
+  const float *k_rows[kPrefillKeys], *v_rows[kPrefillKeys];
+  for (int t = 0; t < N; ++t) {
+    k_rows[t] = sc.kt + t * D;
+    v_rows[t] = sc.vt + t * D;
+  }
+  int cur = 0;
+  k_cursor.take(keys_from(w.key_begin), k_off[cur]);
+  v_cursor.take(keys_from(w.key_begin), v_off[cur]);
+  for (int64_t key0 = w.key_begin; key0 < w.key_end; key0 += N, cur ^= 1) {
+    const int n = keys_from(key0);
+    const int n_next = keys_from(key0 + N);
+    k_cursor.take(n_next, k_off[cur ^ 1]);
+    v_cursor.take(n_next, v_off[cur ^ 1]);
+    // The tile's K and V rows, converted once; the next tile's rows asked for.
+    if constexpr (kPairsHere) {
+      for (int t = 0; t < n; ++t)
+        std::memcpy(kt16 + t * D, k_head + k_off[cur][t], sizeof(uint16_t) * D);
+      for (int t = 0; t < n; t += 2) {
+        const uint16_t* a = reinterpret_cast<const uint16_t*>(v_head + v_off[cur][t]);
+        const uint16_t* b =
+            t + 1 < n ? reinterpret_cast<const uint16_t*>(v_head + v_off[cur][t + 1]) : nullptr;
+        uint32_t* dst = vp + t / 2 * D;
+        for (int d = 0; d < D; d += W) {
+          const vu lo = __builtin_convertvector(load_raw<vh>(a + d), vu);
+          const vu hi = b ? __builtin_convertvector(load_raw<vh>(b + d), vu) << 16 : vu{};
+          const vu pair = lo | hi;
+          std::memcpy(dst + d, &pair, sizeof pair);
+        }
+      }
+    } else if constexpr (std::is_same_v<C, float>) {  // float rows are used where they are
+      for (int t = 0; t < n; ++t) {
+        k_rows[t] = k_head + k_off[cur][t];
+        v_rows[t] = v_head + v_off[cur][t];
+      }
+    } else {
+      for (int t = 0; t < n; ++t) {
+        const C* krow = k_head + k_off[cur][t];
+        const C* vrow = v_head + v_off[cur][t];
+        for (int d = 0; d < D; d += W) {
+          store(sc.kt + t * D + d, load_float(krow + d));
+          store(sc.vt + t * D + d, load_float(vrow + d));
+        }
+      }
+    }
+    for (int t = n; t < N; ++t) k_rows[t] = k_rows[n - 1];  // computed, never read
+    // The next tile's rows into L2 now; this tile's float V rows into L1 while S^T is computed,
+    // the next tile's float K rows while O += P V is.
+    for (int t = 0; t < n_next; ++t) {
+      prefetch_l2(k_head + k_off[cur ^ 1][t], row_bytes);
+      prefetch_l2(v_head + v_off[cur ^ 1][t], row_bytes);
+    }
+    if constexpr (std::is_same_v<C, float>) {
+      for (int t = 0; t < n; ++t) prefetch(v_rows[t], row_bytes);
+    }
+    // S^T = K Q^T: keys past n (to a whole register tile) are computed and never read.
+    for (int r0 = 0; r0 < Mp; r0 += kRowBlock) {
+      for (int t0 = 0; t0 < n; t0 += kSK) {
+        if constexpr (kPairsHere)
+          st_block_pairs<kSK, kSR>(reinterpret_cast<const uint32_t*>(sc.qt + r0 * D), Mp, kt16 + t0 * D, D, sc.st + t0 * Mp + r0);
+        else
+          st_block<kSK, kSR>(sc.qt + r0 * D, Mp, k_rows + t0, D, sc.st + t0 * Mp + r0);
+      }
+    }
+    // Some row misses some key of the tile: causal (a key past the first query) or window.
+    const bool masked = key0 + n - 1 > qpos_first || (p.sliding_window > 0 && key0 < lo_last);
+    for (int r0 = 0; r0 < Mp; r0 += W) softmax_rows(p, sc, Mp, r0, key0, n, masked, s_mul);
+    if constexpr (std::is_same_v<C, float>) {
+      for (int t = 0; t < n_next; ++t) prefetch(k_head + k_off[cur ^ 1][t], row_bytes);
+    }
+    if constexpr (kPairsHere) {
+      const int np = (n + 1) / 2;
+      for (int tp = 0; tp < np; ++tp) {
+        const float* a = sc.st + 2 * tp * Mp;
+        for (int r0 = 0; r0 < Mp; r0 += W) {
+          const vf hi = 2 * tp + 1 < n ? load(a + Mp + r0) : splat(0.f);
+          const vu pair = round_pairs(load(a + r0), hi);
+          std::memcpy(pp + tp * Mp + r0, &pair, sizeof pair);
+        }
+      }
+      for (int r0 = 0; r0 < Mp; r0 += kPR) {
+        int d = 0;
+        for (; d + kPD * W <= D; d += kPD * W)
+          pv_block_pairs<kPR, kPD>(pp + r0, Mp, sc.corr + r0, vp + d, np, D, sc.o + r0 * D + d);
+        for (; d < D; d += W)
+          pv_block_pairs<kPR, 1>(pp + r0, Mp, sc.corr + r0, vp + d, np, D, sc.o + r0 * D + d);
+      }
+    } else {
+      for (int r0 = 0; r0 < Mp; r0 += kPR) {
+        int d = 0;
+        for (; d + kPD * W <= D; d += kPD * W)
+          pv_block<kPR, kPD>(sc.st + r0, Mp, sc.corr + r0, v_rows, d, n, D, sc.o + r0 * D + d);
+        for (; d < D; d += W)
+          pv_block<kPR, 1>(sc.st + r0, Mp, sc.corr + r0, v_rows, d, n, D, sc.o + r0 * D + d);
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    const bool empty = sc.l[r] == 0.f;
+    const float mul = empty ? 0.f : v_mul / sc.l[r];
+    const float lse = empty ? kNegInf : sc.m[r] + std::log(sc.l[r]);
+    float* o = sc.o + r * D;
+    for (int d = 0; d < D; d += W) store(o + d, load(o + d) * mul);
+    if (w.slot >= 0) {
+      const int64_t row = w.slot * partials.rows_per_slot + r;
+      std::memcpy(partials.out + row * D, o, D * sizeof(float));
+      partials.lse[row] = lse;
+    } else {
+      write_output(p, shape.token0 + shape.query(r), shape.head(r), o, lse);
+    }
+  }
+}
+
+// ---- the peak probe -------------------------------------------------------------------------
+
+// iters rounds of 12 independent chains of float FMAs (kPeakFma) or bfloat16 pair dot products
+// (kPeakBf16Dot, kDotPairs only); returns the floating-point operations done (0: not here).
+inline int64_t peak_loop(int kind, int64_t iters) {
+  if (kind == kPeakBf16Dot && !kDotPairs) return 0;
+  vf acc[12];
+#pragma GCC unroll 12
+  for (int i = 0; i < 12; ++i) acc[i] = splat(0.01f * static_cast<float>(i));
+  if constexpr (kDotPairs) {
+    if (kind == kPeakBf16Dot) {
+      const vu a = splat_u32(0x3F803F80u), b = splat_u32(0x3A833A83u);  // pairs of 1, ~0.001
+      for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; ++i) acc[i] = dot_pairs(acc[i], a, b);
+      }
+    }
+  }
+  if (kind == kPeakFma) {
+    const vf a = splat(0.999f), b = splat(1e-3f);
+    for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+      for (int i = 0; i < 12; ++i) acc[i] = fmadd(acc[i], a, b);
+    }
+  }
+  vf sum = splat(0.f);
+  for (int i = 0; i < 12; ++i) sum += acc[i];
+  volatile float sink = hsum(sum);
+  (void)sink;
+  return iters * 12 * W * (kind == kPeakBf16Dot ? 4 : 2);
+}
+
+// ---- dispatch -------------------------------------------------------------------------------
+
+// Varlen items of at least half a register tile of rows take the prefill path.
+template <typename C>
+void attend_item(const PagedAttentionParams& p, const WorkItem& w, float* scratch,
+                 const Partials& partials) {
+  const int32_t rows = p.num_heads / p.num_kv_heads * w.q_count * w.kv_heads;
+  if (w.kv_heads == 1 && w.q_count > 1 && 2 * rows >= kRowBlock)
+    return attend_prefill<C>(p, w, scratch, partials);
+  return attend_typed<C>(p, w, scratch, partials);
+}
+
 inline void attend(const PagedAttentionParams& p, const WorkItem& w, float* scratch,
                    const Partials& partials) {
   switch (p.cache_dtype) {
-    case DType::kFloat16: return attend_typed<f16_t>(p, w, scratch, partials);
-    case DType::kBFloat16: return attend_typed<bf16_t>(p, w, scratch, partials);
-    case DType::kFp8E4M3: return attend_typed<e4m3_t>(p, w, scratch, partials);
-    case DType::kFp8E5M2: return attend_typed<e5m2_t>(p, w, scratch, partials);
-    default: return attend_typed<float>(p, w, scratch, partials);
+    case DType::kFloat16: return attend_item<f16_t>(p, w, scratch, partials);
+    case DType::kBFloat16: return attend_item<bf16_t>(p, w, scratch, partials);
+    case DType::kFp8E4M3: return attend_item<e4m3_t>(p, w, scratch, partials);
+    case DType::kFp8E5M2: return attend_item<e5m2_t>(p, w, scratch, partials);
+    default: return attend_item<float>(p, w, scratch, partials);
   }
 }
 

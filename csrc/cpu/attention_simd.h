@@ -1,11 +1,12 @@
 // W-wide float vectors for the CPU attention kernels, written with GCC/clang vector extensions;
 // the few operations that need an instruction set's intrinsics (FMA, half conversion, an 8-way
-// horizontal sum) take them from PKV_ISA: 0 portable, 1 AVX2 + FMA + F16C, 2 AVX-512F.
+// horizontal sum) take them from PKV_ISA: 0 portable, 1 AVX2 + FMA + F16C, 2 AVX-512F, 3 AVX-512F
+// with AVX512_BF16 (the vectors of 2; its bf16 dot products: dot_pairs).
 //
 // No include guard: included once per instruction set, by cpu/attention_kernel.h, inside
 // namespace pagedkv::cpu::<isa> and under that set's target pragma (see attention_isa.inc).
 
-#if PKV_ISA == 2
+#if PKV_ISA >= 2
 constexpr int W = 16;
 #else
 constexpr int W = 8;
@@ -16,6 +17,18 @@ typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));
 typedef uint8_t vb __attribute__((vector_size(W)));
+
+[[gnu::always_inline]] inline vu splat_u32(uint32_t x) {
+#if PKV_ISA >= 2
+  return (vu)_mm512_set1_epi32(static_cast<int>(x));
+#elif PKV_ISA == 1
+  return (vu)_mm256_set1_epi32(static_cast<int>(x));
+#else
+  vu v;
+  for (int i = 0; i < W; ++i) v[i] = x;
+  return v;
+#endif
+}
 
 // Cache and query element types other than float, as raw bits.
 struct bf16_t { uint16_t bits; };
@@ -32,7 +45,7 @@ inline V load_raw(const T* p) {
 inline vf load(const float* p) { return load_raw<vf>(p); }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) {
-#if PKV_ISA == 2
+#if PKV_ISA >= 2
   return _mm512_set1_ps(x);
 #elif PKV_ISA == 1
   return _mm256_set1_ps(x);
@@ -53,9 +66,13 @@ inline vf splat(float x) {
 }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
-// Asks for the cache lines of [p, p + bytes) ahead of their use.
+// Asks for the cache lines of [p, p + bytes) ahead of their use, into L1 (or, prefetch_l2,
+// into L2 only: for more lines than L1 holds beside the work at hand).
 inline void prefetch(const void* p, int bytes) {
   for (int i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 3);
+}
+inline void prefetch_l2(const void* p, int bytes) {
+  for (int i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 2);
 }
 
 inline vi iota() {
@@ -65,7 +82,7 @@ inline vi iota() {
 }
 
 inline vf fmadd(vf a, vf b, vf c) {
-#if PKV_ISA == 2
+#if PKV_ISA >= 2
   return _mm512_fmadd_ps(a, b, c);
 #elif PKV_ISA == 1
   return _mm256_fmadd_ps(a, b, c);
@@ -76,7 +93,7 @@ inline vf fmadd(vf a, vf b, vf c) {
 
 // The horizontal sums of eight vectors, as one vector of 8 floats.
 typedef float vf8 __attribute__((vector_size(32)));
-#if PKV_ISA == 2
+#if PKV_ISA >= 2
 inline __m256 fold8(vf a) {  // the sum of a's two halves
   return _mm256_add_ps(_mm512_castps512_ps256(a),
                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
@@ -99,7 +116,7 @@ inline float hsum(vf v) {
 
 inline float hmax(vf v) {
 #if PKV_ISA >= 1
-#if PKV_ISA == 2
+#if PKV_ISA >= 2
   const __m256 x = _mm256_max_ps(_mm512_castps512_ps256(v),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 #else
@@ -145,7 +162,7 @@ inline vf4 hsum4(vf a0, vf a1, vf a2, vf a3) {
 
 // IEEE half bits to float, exact (subnormals, inf and NaN included).
 inline vf half_to_float(vh h) {
-#if PKV_ISA == 2
+#if PKV_ISA >= 2
   return _mm512_cvtph_ps((__m256i)h);
 #elif PKV_ISA == 1
   return _mm256_cvtph_ps((__m128i)h);
@@ -165,7 +182,7 @@ inline vf half_to_float(vh h) {
 // callers fold the 256 into their scales, see cache_factor): its bits moved into a half.
 inline vf load_float(const float* p) { return load(p); }
 inline vf load_float(const bf16_t* p) {
-#if PKV_ISA == 2
+#if PKV_ISA >= 2
   return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_raw<__m256i>(p)), 16);
 #elif PKV_ISA == 1
   return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_raw<__m128i>(p)), 16);
@@ -181,6 +198,27 @@ inline void load_pairs(const bf16_t* p, vf& even, vf& odd) {
   odd = (vf)(x & 0xFFFF0000u);
 }
 inline vf load_float(const f16_t* p) { return half_to_float(load_raw<vh>(p)); }
+
+// bfloat16 pairs: each 32-bit lane holds two bfloat16 numbers, the first in its low half (as
+// two consecutive elements of a bf16 row sit in memory). dot_pairs(acc, a, b) adds to each lane
+// a.lo * b.lo + a.hi * b.hi: one vdpbf16ps with AVX512_BF16 (its products are exact, its sums
+// rounded to nearest even, denormals flushed), two FMAs elsewhere.
+[[gnu::always_inline]] inline vf dot_pairs(vf acc, vu a, vu b) {
+#if PKV_ISA == 3
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+  acc = fmadd((vf)(a << 16), (vf)(b << 16), acc);
+  return fmadd((vf)(a & 0xFFFF0000u), (vf)(b & 0xFFFF0000u), acc);
+#endif
+}
+// Rounds lo and hi (finite) to bfloat16, nearest even, as pairs.
+[[gnu::always_inline]] inline vu round_pairs(vf lo, vf hi) {
+  const vu a = (vu)lo, b = (vu)hi;
+  const vu ra = (a + 0x7FFFu + ((a >> 16) & 1u)) >> 16;
+  const vu rb = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  return ra | rb;
+}
+
 inline vf load_float(const e5m2_t* p) {
   return half_to_float(__builtin_convertvector(load_raw<vb>(p), vh) << 8);
 }

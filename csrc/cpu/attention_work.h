@@ -8,6 +8,8 @@
 #pragma once
 #include <stdint.h>
 
+#include <algorithm>
+
 #include "kernels/attention_params.h"
 
 namespace pagedkv::cpu {
@@ -35,14 +37,23 @@ struct SplitGroup {
 
 constexpr int kKeysPerChunk = 32;  // keys gathered, converted and processed together
 
-// Floats of per-thread scratch for items of at most max_rows rows.
+// Varlen items of many rows take the prefill path (small GEMMs over tiles of query rows x
+// keys), whose rows are padded to a multiple of 24 (AVX2, the baseline) or 48 (AVX-512), which
+// divide kPrefillRowAlign. The planner makes varlen items of up to kPrefillRows rows.
+constexpr int kPrefillRowAlign = 48;
+constexpr int kPrefillRows = 96;
+constexpr int kPrefillKeys = 32;  // keys per tile of the prefill path (half past 256-byte rows)
+
+// Floats of per-thread scratch for items of at most max_rows rows (either path).
 inline int64_t scratch_floats(int64_t max_rows, int64_t head_size) {
-  return max_rows * (2 * head_size + kKeysPerChunk + 2) + 64;
+  const int64_t rows = (max_rows + kPrefillRowAlign - 1) / kPrefillRowAlign * kPrefillRowAlign;
+  const int64_t keys = std::max(kKeysPerChunk, kPrefillKeys);
+  return rows * (2 * head_size + 2 * keys + 6) + 2 * keys * head_size + 64;
 }
 
 // The instruction sets the kernels are compiled for, narrowest first. Each is one translation
 // unit of cpu/attention_isa.inc, which setup.py and CMakeLists.txt generate from this line.
-#define PAGEDKV_CPU_ISAS(X) X(base) X(avx2) X(avx512)
+#define PAGEDKV_CPU_ISAS(X) X(base) X(avx2) X(avx512) X(avx512bf16)
 
 // One instruction set's kernels (defined by its unit as kernels_<isa>).
 struct AttentionKernels {
@@ -54,14 +65,27 @@ struct AttentionKernels {
   void (*merge_partials)(const PagedAttentionParams& p, const WorkItem* items,
                          const SplitGroup& group, const Partials& partials);
   void (*merge_attn_states)(const MergeAttnParams& p, int64_t row_begin, int64_t row_end);
+  // The peak probe: iters rounds of 12 independent chains of kind's instruction on one thread
+  // (kPeakFma: float FMA; kPeakBf16Dot: bfloat16 pair dot products, where bf16_dot); returns
+  // the floating-point operations done.
+  int64_t (*peak_loop)(int kind, int64_t iters);
+  bool bf16_dot;  // bfloat16 caches take vdpbf16ps (AVX512_BF16) in the prefill path
 };
+
+constexpr int kPeakFma = 0, kPeakBf16Dot = 1;
 
 #define PAGEDKV_DECLARE_KERNELS(isa) extern const AttentionKernels kernels_##isa;
 PAGEDKV_CPU_ISAS(PAGEDKV_DECLARE_KERNELS)
 #undef PAGEDKV_DECLARE_KERNELS
 
-// The name ("base", "avx2" or "avx512") of the kernels the attention ops run for this head size
+// The name ("base", "avx2", "avx512" or "avx512bf16") of the kernels the attention ops run for this head size
 // on this processor, PAGEDKV_CPU_ISA included (cpu/attention.cpp; `pagedkv info` shows it).
 const char* attention_kernel_name(int32_t head_size);
+
+// The measured rate in GFLOP/s of kind ("fp32": float FMAs, "bf16": bfloat16 dot products) on
+// every thread of ATen's pool, with the widest kernels allowed (cpu/attention.cpp): the sum over
+// the threads of each one's operations per second of its own CPU time (time slices taken by
+// other processes do not count); seconds: about how long each thread runs.
+double peak_gflops(const char* kind, double seconds);
 
 }  // namespace pagedkv::cpu

@@ -253,9 +253,82 @@ def test_cpu_instruction_sets(backend, isa, monkeypatch):
                       head_size=128, alibi=True, soft_cap=5.0))
     run(backend, Case(seq_lens=(700, 3), num_heads=2, num_kv_heads=2, head_size=32,
                       cache_dtype=torch.float8_e5m2))
+    # The prefill path (varlen items of many rows): a head size of 2.5 vectors of 32 floats
+    # (avx512: a column block of 1 vector left), rows padded, features, fp8.
+    for dtype in (torch.float32, torch.bfloat16):
+        run(backend, Case(seq_lens=(200, 77), q_lens=(61, 77), num_heads=16, num_kv_heads=2,
+                          head_size=80, dtype=dtype, **FEATURES["all"]))
+    run(backend, Case(seq_lens=(90, 41), q_lens=(50, 41), num_heads=8, num_kv_heads=1,
+                      head_size=128, cache_dtype=torch.float8_e4m3fn, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("isa", ["sse9", "avx2", "avx512"])
+# Chunked prefill shapes: (seq_lens, q_lens) with odd lengths, a whole prefill, chunks over a
+# cached prefix; on the CPU, query tiles of the prefill path (up to 96 rows, padded) and a
+# leftover row (the decode-style path).
+PREFILL = ((403, 131, 77), (203, 131, 9))
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (32, 4)], ids=["gqa4", "gqa8"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_chunked_prefill(backend, dtype, heads):
+    """Prefill-shaped batches (32 query heads, GQA 4 and 8, head size 128): many query tiles
+    per sequence, key tiles cut by the causal diagonal, block tables shuffled."""
+    if backend.name.startswith("simt"):
+        pytest.skip("the emulator takes ~30 s a case at these sizes (its prefill shapes: "
+                    "test_varlen_long_prefill, test_chunked_prefill_features)")
+    run(backend, Case(seq_lens=PREFILL[0], q_lens=PREFILL[1], num_heads=heads[0],
+                      num_kv_heads=heads[1], head_size=128, dtype=dtype))
+
+
+@pytest.mark.parametrize("feature", ["window", "window-long", "alibi", "softcap", "all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chunked_prefill_features(backend, dtype, feature):
+    if backend.name.startswith("simt") and feature != "all":
+        pytest.skip("the emulator is slow: every feature at once only")
+    run(backend, Case(seq_lens=(201, 90, 67), q_lens=(100, 90, 19), num_heads=16,
+                      num_kv_heads=4, head_size=64, dtype=dtype, block_size=32,
+                      **FEATURES[feature]))
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_cpu_prefill_instruction_sets(backend, isa, monkeypatch):
+    """The prefill path of every instruction set this processor has; avx512bf16 takes bfloat16
+    dot products (vdpbf16ps) for bfloat16 caches, float FMAs for the others."""
+    if backend.name != "cpu":
+        pytest.skip("CPU kernels only")
+    use_cpu_isa(monkeypatch, isa)
+    assert ops.cpu_attention_kernel(128) == isa
+    # GQA 4, 8 and 6 (6 x 16 rows); tiles of one query row (decode-style) and of 5 x 4 rows.
+    for dtype, heads in ((torch.bfloat16, (32, 8)), (torch.bfloat16, (32, 4)),
+                         (torch.float32, (6, 1)), (torch.float16, (32, 8))):
+        run(backend, Case(seq_lens=(233, 64, 5), q_lens=(113, 64, 5), num_heads=heads[0],
+                          num_kv_heads=heads[1], head_size=128, dtype=dtype, block_size=16))
+    # Odd key counts in the last tile (bf16 pairs: a key pair of one key), windows, ALiBi, cap.
+    run(backend, Case(seq_lens=(259, 31), q_lens=(77, 31), num_heads=16, num_kv_heads=4,
+                      head_size=96, dtype=torch.bfloat16, **FEATURES["all"]))
+
+
+def test_cpu_peak_probe(backend, monkeypatch):
+    """pagedkv.ops.cpu_peak_gflops: a positive rate of float FMAs; bf16 dot products only with
+    AVX512_BF16 (a ValueError naming it elsewhere); a bad kind refused."""
+    if backend.name != "cpu":
+        pytest.skip("CPU kernels only")
+    monkeypatch.delenv("PAGEDKV_CPU_ISA", raising=False)
+    assert 0 < ops.cpu_peak_gflops("fp32", 0.001) < float("inf")
+    if cpu_has("avx512bf16"):
+        assert 0 < ops.cpu_peak_gflops("bf16", 0.001) < float("inf")
+    else:
+        with pytest.raises(ValueError, match="AVX512_BF16"):
+            ops.cpu_peak_gflops("bf16", 0.001)
+    with pytest.raises(ValueError, match="kind must be 'fp32' or 'bf16'"):
+        ops.cpu_peak_gflops("int8", 0.001)
+    with pytest.raises(ValueError, match="seconds must be in"):
+        ops.cpu_peak_gflops("fp32", 0.0)
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", "base")
+    assert ops.cpu_peak_gflops("fp32", 0.001) > 0
+
+
+@pytest.mark.parametrize("isa", ["sse9", "avx2", "avx512", "avx512bf16"])
 def test_cpu_instruction_set_refused(backend, isa, monkeypatch):
     """PAGEDKV_CPU_ISA naming no instruction set, or one this processor lacks, is an error that
     names it, raised before anything is written."""

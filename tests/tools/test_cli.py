@@ -49,10 +49,12 @@ def test_info(capsys):
 def test_info_names_the_cpu_kernel(capsys, monkeypatch):
     monkeypatch.delenv("PAGEDKV_CPU_ISA", raising=False)
     data = run_json(capsys, "info")
-    assert data["cpu_attention_kernel"] in ("base", "avx2", "avx512")
+    assert data["cpu_attention_kernel"] in ("base", "avx2", "avx512", "avx512bf16")
     assert data["cpu_attention_kernel"] == expected_cpu_kernel(128)
+    assert data["cpu_bf16_dot_products"] == (expected_cpu_kernel(128) == "avx512bf16")
     code, out, _ = run(capsys, "info")
     assert code == 0 and f"CPU attention  {expected_cpu_kernel(128)} kernels" in out
+    assert ("bf16 dot products (AVX512_BF16)" in out) == data["cpu_bf16_dot_products"]
     assert ops.cpu_attention_kernel(8) == expected_cpu_kernel(8)  # 8 lanes: never avx512
     monkeypatch.setenv("PAGEDKV_CPU_ISA", "base")  # read by the C++ dispatch at every call
     assert run_json(capsys, "info")["cpu_attention_kernel"] == "base"
@@ -60,7 +62,7 @@ def test_info_names_the_cpu_kernel(capsys, monkeypatch):
         ops.cpu_attention_kernel(0)
     monkeypatch.setenv("PAGEDKV_CPU_ISA", "sse9")
     code, _, err = run(capsys, "info")
-    assert code == 1 and "PAGEDKV_CPU_ISA must be one of base avx2 avx512" in err
+    assert code == 1 and "PAGEDKV_CPU_ISA must be one of base avx2 avx512 avx512bf16" in err
 
 
 def test_size_preset_text_and_json(capsys):

@@ -23,6 +23,7 @@ __all__ = [
     "arg_names",
     "copy_blocks",
     "cpu_attention_kernel",
+    "cpu_peak_gflops",
     "merge_attn_states",
     "paged_attention",
     "reshape_and_cache",
@@ -219,6 +220,19 @@ def cpu_attention_kernel(head_size: int = 128) -> str:
     must name a set this processor has (``ValueError`` otherwise).
     """
     return torch.ops.pagedkv.cpu_attention_kernel(head_size)
+
+
+def cpu_peak_gflops(kind: str = "fp32", seconds: float = 0.05) -> float:
+    """The CPU's measured peak rate in GFLOP/s: ``"fp32"``, float FMAs, or ``"bf16"``, bfloat16
+    dot products (``vdpbf16ps``; ``ValueError`` on a processor without AVX512_BF16).
+
+    12 independent chains of the instruction, as the attention kernels issue it (the widest
+    instruction set allowed, see :func:`cpu_attention_kernel`), on every thread of torch's
+    intra-op pool for about ``seconds`` each; the sum over the threads of each one's rate per
+    second of its own CPU time, so that time slices taken by other processes do not count.
+    The benchmark's ceiling for prefill (``bench/bench_attention.py``).
+    """
+    return torch.ops.pagedkv.cpu_peak_gflops(kind, seconds)
 
 
 OPS = ("reshape_and_cache", "copy_blocks", "swap_blocks", "paged_attention", "merge_attn_states")

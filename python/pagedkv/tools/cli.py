@@ -96,12 +96,15 @@ def _info_data() -> dict[str, object]:
         simt = f"not built ({e})" if not isinstance(e, ModuleNotFoundError) else False
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpu = f"{torch.cuda.get_device_name()} (x{gpus})" if gpus else None
+    kernel = ops.cpu_attention_kernel()
     return {"pagedkv": __version__, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
             "pagedkv._C": {"cpu": has("pagedkv::reshape_and_cache", "CPU"),
                            "cuda": has("pagedkv::reshape_and_cache", "CUDA")},
             "pagedkv._simt": simt, "gpu": gpu, "cuda_available": torch.cuda.is_available(),
             "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "cpu_attention_kernel": ops.cpu_attention_kernel()}
+            "cpu_attention_kernel": kernel,
+            # bfloat16 prefill on vdpbf16ps: the avx512bf16 kernels (csrc/cpu/attention_kernel.h)
+            "cpu_bf16_dot_products": kernel == "avx512bf16"}
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -116,7 +119,9 @@ def _info(args: argparse.Namespace) -> int:
         f"pagedkv._simt  {simt}",
         f"GPU            {d['gpu'] or 'none'}",
         f"CPU threads    {d['cpu_threads']} (torch) of {d['cpu_count']} CPUs",
-        f"CPU attention  {d['cpu_attention_kernel']} kernels (head size 128)",
+        f"CPU attention  {d['cpu_attention_kernel']} kernels (head size 128); bf16 prefill: "
+        + ("bf16 dot products (AVX512_BF16)" if d["cpu_bf16_dot_products"]
+           else "float FMAs (no AVX512_BF16)"),
     ])
     return _print(args, d, text)
 
