@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,9 +172,20 @@ def _decode_traffic(simt, n, length, group, block, layout, cache_dtype, gen) -> 
     lens = torch.full((n,), length, dtype=torch.int32)
     scales = (torch.tensor([1.0]), torch.tensor([1.0])) if cache_dtype != torch.bfloat16 else (
         None, None)
-    with simt.profile() as prof:
-        simt.ops.paged_attention(torch.empty_like(query), query, cache(), cache(), table, lens,
-                                 None, length, 1, 128**-0.5, None, -1, 0.0, *scales, None)
+    # The model is of the CUDA-core decode kernel: run it, whatever the dispatch would choose
+    # (a group of 8 goes to the tensor-core kernel by default).
+    saved = os.environ.get("PAGEDKV_ATTENTION_KERNEL")
+    os.environ["PAGEDKV_ATTENTION_KERNEL"] = "cuda_core"
+    try:
+        with simt.profile() as prof:
+            simt.ops.paged_attention(torch.empty_like(query), query, cache(), cache(), table,
+                                     lens, None, length, 1, 128**-0.5, None, -1, 0.0, *scales,
+                                     None)
+    finally:
+        if saved is None:
+            del os.environ["PAGEDKV_ATTENTION_KERNEL"]
+        else:
+            os.environ["PAGEDKV_ATTENTION_KERNEL"] = saved
     return prof.total("paged_attention_kernel", "kv")
 
 

@@ -33,6 +33,7 @@
 #include "kernels/attention_merge.cuh"
 #include "kernels/attention_tc_launch.h"
 #include "kernels/dtypes.cuh"
+#include "kernels/memory.cuh"
 #include "kernels/tensor_core.cuh"
 
 #include <type_traits>
@@ -213,9 +214,9 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       if (t < part_end && chunk_in) {
         int blk, off;
         block_div.divmod(t, blk, off);
-        const int64_t phys = __ldg(table + blk);
-        k_next[pass] = __ldg(reinterpret_cast<const uint2*>(k_cache.row({phys, off})));
-        v_next[pass] = __ldg(reinterpret_cast<const uint2*>(v_cache.row({phys, off})));
+        const int64_t phys = load_ro(table + blk, "table");
+        k_next[pass] = load_ro(reinterpret_cast<const uint2*>(k_cache.row({phys, off})), "kv");
+        v_next[pass] = load_ro(reinterpret_cast<const uint2*>(v_cache.row({phys, off})), "kv");
       }
     }
   };
@@ -240,9 +241,9 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       if (t < part_end && chunk_in) {
         int blk, off;
         block_div.divmod(t, blk, off);
-        const int64_t phys = __ldg(table + blk);
-        kr = __ldg(reinterpret_cast<const uint2*>(k_cache.row({phys, off})));
-        vr = __ldg(reinterpret_cast<const uint2*>(v_cache.row({phys, off})));
+        const int64_t phys = load_ro(table + blk, "table");
+        kr = load_ro(reinterpret_cast<const uint2*>(k_cache.row({phys, off})), "kv");
+        vr = load_ro(reinterpret_cast<const uint2*>(v_cache.row({phys, off})), "kv");
       }
       *reinterpret_cast<uint4*>(kd + pass * Cfg::kRowsPerPass * kStride) = dequantize8<T, C>(kr);
       *reinterpret_cast<uint4*>(vd + pass * Cfg::kRowsPerPass * kStride) = dequantize8<T, C>(vr);
@@ -260,12 +261,14 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       if (t < part_end && chunk_in) {
         int blk, off;
         block_div.divmod(t, blk, off);
-        const int64_t phys = __ldg(table + blk);
+        const int64_t phys = load_ro(table + blk, "table");
         ks = k_cache.row({phys, off});
         vs = v_cache.row({phys, off});
         bytes = 16;
       }
+      note_read(ks, bytes, "kv");
       tc::cp_async_16(kd + pass * Cfg::kRowsPerPass * kStride, ks, bytes);
+      note_read(vs, bytes, "kv");
       tc::cp_async_16(vd + pass * Cfg::kRowsPerPass * kStride, vs, bytes);
     }
   };

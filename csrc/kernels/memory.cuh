@@ -2,6 +2,7 @@
 //   load_ro(p, tag)   read-only data (__ldg under nvcc)
 //   load(p, tag)      plain load
 //   store(p, v, tag)  plain store
+//   note_read(p, n, tag)  a read made by other means (cp.async): counted, not performed
 // Under nvcc each is the access itself. Under simt it also records the access (address, size,
 // call site) when the counters are on; off, that is one relaxed pointer load. `tag` names the
 // data in the counters' report: "kv", "query", "table", "out", "workspace", "src", ...
@@ -31,6 +32,8 @@ template <typename T>
 __device__ __forceinline__ void store(T* p, const T& v, const char*) {
   *p = v;
 }
+// A read the kernel makes by other means (cp.async): nothing under nvcc.
+__device__ __forceinline__ void note_read(const void*, int, const char*) {}
 
 #else
 
@@ -62,6 +65,14 @@ inline void store(T* p, const T& v, const char* tag,
                   const std::source_location s = std::source_location::current()) {
   mem::note(p, true, tag, s);
   *p = v;
+}
+// A read of `bytes` bytes the kernel makes by other means (cp.async, which copies at its
+// wait_group): counted where it is issued, as a load of that size; 0 bytes (zfill) reads nothing.
+inline void note_read(const void* p, int bytes, const char* tag,
+                      const std::source_location s = std::source_location::current()) {
+  if (bytes > 0 && ::simt::traffic::recording()) {
+    ::simt::traffic::record(p, size_t(bytes), false, tag, mem::site_id(s));
+  }
 }
 
 #endif

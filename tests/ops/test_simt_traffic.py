@@ -1,7 +1,9 @@
 """The traffic contract of the CUDA kernels, counted by the simt emulator (docs/simt.md,
-Traffic): the decode kernel reads each K/V byte it needs exactly once per row tile (once for
-groups of up to 4 query heads per kv head), in full 32-byte sectors (>= 90% of the ideal) when
-the caches are 16-byte aligned, in the HND and the NHD layout; the cache writes are as lean.
+Traffic): the CUDA-core decode kernel reads each K/V byte it needs exactly once per row tile (once
+for groups of up to 4 query heads per kv head), the tensor-core kernel once (a decode group fits
+its 16-row tile; its cp.async copies are counted where they are issued), both in full 32-byte
+sectors (>= 90% of the ideal) when the caches are 16-byte aligned, in the HND and the NHD layout;
+the cache writes are as lean.
 An unaligned cache falls back to byte loads, which the counters report as wasteful."""
 
 from __future__ import annotations
@@ -28,12 +30,22 @@ def minimal_kv_bytes(case: Case) -> int:
     return 2 * keys * case.num_kv_heads * case.head_size * element
 
 
-def run(case: Case, **extra) -> tuple[dict, dict]:
+KERNEL_NAMES = {"cuda_core": "paged_attention_kernel", "tensor_core": "paged_attention_tc_kernel"}
+
+
+@pytest.fixture(params=list(KERNEL_NAMES))
+def kernel(request, monkeypatch) -> str:
+    """The attention kernel every call of the test runs (PAGEDKV_ATTENTION_KERNEL)."""
+    monkeypatch.setenv("PAGEDKV_ATTENTION_KERNEL", request.param)
+    return request.param
+
+
+def run(case: Case, kernel: str = "cuda_core", **extra) -> tuple[dict, dict]:
     args = make_args(case.with_(extra=extra) if extra else case)
     with simt.profile() as prof:
         call(simt.ops.paged_attention, args)
     check(args)
-    return prof.total("paged_attention_kernel", "kv"), args
+    return prof.total(KERNEL_NAMES[kernel], "kv"), args
 
 
 @pytest.mark.parametrize("layout", ["hnd", "nhd"])
@@ -41,21 +53,22 @@ def run(case: Case, **extra) -> tuple[dict, dict]:
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_size, block_size", [(128, 16), (64, 1), (128, 256), (256, 16)])
 def test_decode_reads_each_kv_byte_once_in_full_sectors(layout, cache_dtype, group, head_size,
-                                                         block_size):
+                                                         block_size, kernel):
     case = Case(seq_lens=(1, 37, 200, 64, 129), num_heads=2 * group, num_kv_heads=2,
                 head_size=head_size, block_size=block_size, dtype=torch.bfloat16,
                 cache_dtype=cache_dtype, layout=layout)
-    kv, _ = run(case)
-    tiles = math.ceil(group / 4)  # row tiles of 4 query heads, each streams the K/V
+    kv, _ = run(case, kernel)
+    # CUDA-core: row tiles of 4 query heads, each streams the K/V; tensor-core: one 16-row tile
+    tiles = math.ceil(group / 4) if kernel == "cuda_core" else 1
     assert kv["distinct_bytes"] == minimal_kv_bytes(case)
     assert kv["bytes"] == tiles * minimal_kv_bytes(case)
     assert kv["sector_efficiency"] >= 0.9, kv
 
 
-def test_a_window_reads_only_its_keys():
+def test_a_window_reads_only_its_keys(kernel):
     case = Case(seq_lens=(300, 5, 97), num_heads=8, num_kv_heads=2, head_size=128,
                 dtype=torch.bfloat16, sliding_window=40)
-    kv, _ = run(case)
+    kv, _ = run(case, kernel)
     assert kv["bytes"] == kv["distinct_bytes"] == minimal_kv_bytes(case)
 
 
