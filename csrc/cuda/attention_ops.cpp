@@ -19,28 +19,24 @@
 namespace pagedkv {
 namespace {
 
-// Multiprocessors of a device, asked once per device.
-int sm_count(c10::DeviceIndex device) {
+// A (nonzero) attribute of a device, asked once per device and attribute.
+template <cudaDeviceAttr kAttr>
+int device_attribute(c10::DeviceIndex device) {
   static std::array<std::atomic<int>, 64> cache{};
   std::atomic<int>& slot = cache.at(static_cast<size_t>(device));
   int n = slot.load();
   if (n == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, kAttr, device));
     slot.store(n);
   }
   return n;
 }
 
-// Compute capability major of a device, asked once per device.
-int sm_major(c10::DeviceIndex device) {
-  static std::array<std::atomic<int>, 64> cache{};
-  std::atomic<int>& slot = cache.at(static_cast<size_t>(device));
-  int n = slot.load();
-  if (n == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, device));
-    slot.store(n);
-  }
-  return n;
+int sm_count(c10::DeviceIndex device) {  // multiprocessors
+  return device_attribute<cudaDevAttrMultiProcessorCount>(device);
+}
+int sm_major(c10::DeviceIndex device) {  // compute capability major
+  return device_attribute<cudaDevAttrComputeCapabilityMajor>(device);
 }
 
 void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {

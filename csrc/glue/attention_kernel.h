@@ -36,15 +36,10 @@ inline AttentionLaunch attention_launch(const PagedAttentionParams& p, const at:
   const AttentionKernelChoice choice = attention_kernel_choice();
   const AttentionPlan base = plan_paged_attention(p, sm_count, min_part_tokens);
   const AttentionKernel kernel = choose_attention_kernel(p, base.vectorized, sm_major, choice);
-  if (kernel == AttentionKernel::kCudaCore) {
-    return {kernel, attention_plan(p, like, sm_count, min_part_tokens, workspace)};
-  }
-  AttentionPlan plan = plan_paged_attention_tc(p, sm_count, min_part_tokens);
-  const int64_t floats = attention_workspace_floats(p, plan);
-  if (floats > 0) {
-    workspace = at::empty({floats}, like.options().dtype(at::kFloat));
-    attach_workspace(p, plan, workspace.data_ptr<float>());
-  }
+  AttentionPlan plan = kernel == AttentionKernel::kTensorCore
+                           ? plan_paged_attention_tc(p, base, sm_count, min_part_tokens)
+                           : base;
+  allocate_workspace(p, plan, like, workspace);
   return {kernel, plan};
 }
 

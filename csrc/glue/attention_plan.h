@@ -43,16 +43,15 @@ inline void check_merge_grid(const MergeAttnParams& p, const char* backend) {
               p.num_heads, " exceeds ", kMaxGridYZ, ", the kernel's grid limit");
 }
 
-// The plan; `workspace` keeps its split-K buffers alive until the launch is enqueued.
-inline AttentionPlan attention_plan(const PagedAttentionParams& p, const at::Tensor& like,
-                                    int sm_count, int min_part_tokens, at::Tensor& workspace) {
-  AttentionPlan plan = plan_paged_attention(p, sm_count, min_part_tokens);
+// The split-K buffers a plan needs (none for one partition), allocated beside `like` and
+// attached to the plan; `workspace` keeps them alive until the launch is enqueued.
+inline void allocate_workspace(const PagedAttentionParams& p, AttentionPlan& plan,
+                               const at::Tensor& like, at::Tensor& workspace) {
   const int64_t floats = attention_workspace_floats(p, plan);
   if (floats > 0) {
     workspace = at::empty({floats}, like.options().dtype(at::kFloat));
     attach_workspace(p, plan, workspace.data_ptr<float>());
   }
-  return plan;
 }
 
 }  // namespace pagedkv

@@ -66,11 +66,13 @@ inline int attention_tc_block_rows(const PagedAttentionParams& p) {
   return attention_tc_rows(p) <= kAttnTcDecodeRows ? kAttnTcDecodeRows : kAttnTcPrefillRows;
 }
 
-// The tensor-core kernel's plan: the CUDA-core plan's alignment check, its own row tiles and
-// split-K (partitions of at least min_part_tokens keys, at most kAttnMaxParts).
-inline AttentionPlan plan_paged_attention_tc(const PagedAttentionParams& p, int sm_count,
+// The tensor-core kernel's plan from the CUDA-core one (`base`, plan_paged_attention's for the
+// same call: its alignment check), with its own row tiles and split-K (partitions of at least
+// min_part_tokens keys, at most kAttnMaxParts).
+inline AttentionPlan plan_paged_attention_tc(const PagedAttentionParams& p,
+                                             const AttentionPlan& base, int sm_count,
                                              int min_part_tokens = kAttnMinPartTokens) {
-  AttentionPlan plan = plan_paged_attention(p, sm_count, min_part_tokens);
+  AttentionPlan plan = base;
   const int64_t group = p.num_heads / std::max(p.num_kv_heads, 1);
   const int block_rows = attention_tc_block_rows(p);
   plan.row_tiles = static_cast<int32_t>((attention_tc_rows(p) + block_rows - 1) / block_rows);
