@@ -219,11 +219,14 @@ int main(int argc, char** argv) {
         items[v].push_back({s, 0, kv_heads, 0, 1, 0, context, -1});
         continue;
       }
-      for (int q0 = 0; q0 < q_len; q0 += tile) {
-        const int count = std::min(tile, q_len - q0);
-        const int key_end = context - q_len + q0 + count;
-        for (int h = 0; h < kv_heads; ++h) items[v].push_back({s, h, 1, q0, count, 0, key_end, -1});
-      }
+      const bool tile_major = v == 0 && std::getenv("AB_A_TILE_ORDER") != nullptr;
+      for (int h = 0; h < (tile_major ? 1 : kv_heads); ++h)
+        for (int q0 = 0; q0 < q_len; q0 += tile) {
+          const int count = std::min(tile, q_len - q0);
+          const int key_end = context - q_len + q0 + count;
+          for (int hh = tile_major ? 0 : h; hh < (tile_major ? kv_heads : h + 1); ++hh)
+            items[v].push_back({s, hh, 1, q0, count, 0, key_end, -1});
+        }
     }
   }
   const int64_t per_thread = cpu::scratch_floats(std::max({kHeads, rows[0], rows[1]}), kHeadSize);

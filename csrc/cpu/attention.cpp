@@ -108,19 +108,30 @@ Plan plan_work(const PagedAttentionParams& p, int threads) {
   const int64_t target = std::max<int64_t>(1, int64_t{kItemsPerThread} * threads);
   int64_t part = std::max<int64_t>(kMinKeysPerItem, (total_keys + target - 1) / target);
   part = (part + kKeysPerChunk - 1) / kKeysPerChunk * kKeysPerChunk;
-  for_each_tile(p, q_tile, [&](int32_t s, const QueryTile& t) {
-    const int64_t keys = t.key_end - t.key_begin;
-    const int32_t parts = static_cast<int32_t>(std::max<int64_t>(1, (keys + part - 1) / part));
+  // Items in the order (sequence, kv head, query tile): the threads, taking them in turn, work
+  // on the tiles of one kv head together, so that its K/V rows (every tile reads a prefix of
+  // them) are read from L3 rather than memory.
+  std::vector<std::pair<int32_t, QueryTile>> tiles;
+  for_each_tile(p, q_tile, [&](int32_t s, const QueryTile& t) { tiles.emplace_back(s, t); });
+  for (size_t first = 0, last; first < tiles.size(); first = last) {
+    last = first;
+    while (last < tiles.size() && tiles[last].first == tiles[first].first) ++last;
     for (int32_t h = 0; h < p.num_kv_heads; h += heads_per_item) {
-      if (parts > 1) plan.splits.push_back({static_cast<int64_t>(plan.items.size()), parts});
-      for (int32_t i = 0; i < parts; ++i) {
-        const int32_t begin = static_cast<int32_t>(t.key_begin + i * part);
-        const int32_t end = static_cast<int32_t>(std::min<int64_t>(t.key_end, begin + part));
-        const int64_t slot = parts > 1 ? plan.num_slots++ : -1;
-        plan.items.push_back({s, h, heads_per_item, t.q_begin, t.q_count, begin, end, slot});
+      for (size_t i = first; i < last; ++i) {
+        const auto& [s, t] = tiles[i];
+        const int64_t keys = t.key_end - t.key_begin;
+        const int32_t parts =
+            static_cast<int32_t>(std::max<int64_t>(1, (keys + part - 1) / part));
+        if (parts > 1) plan.splits.push_back({static_cast<int64_t>(plan.items.size()), parts});
+        for (int32_t j = 0; j < parts; ++j) {
+          const int32_t begin = static_cast<int32_t>(t.key_begin + j * part);
+          const int32_t end = static_cast<int32_t>(std::min<int64_t>(t.key_end, begin + part));
+          const int64_t slot = parts > 1 ? plan.num_slots++ : -1;
+          plan.items.push_back({s, h, heads_per_item, t.q_begin, t.q_count, begin, end, slot});
+        }
       }
     }
-  });
+  }
   return plan;
 }
 

@@ -182,6 +182,9 @@ struct Ahead {
   void fetch(int until, int of) {
     for (const int stop = n * until / of; done < stop; ++done) prefetch(rows[done], row_bytes);
   }
+  void fetch_l2(int until, int of) {
+    for (const int stop = n * until / of; done < stop; ++done) prefetch_l2(rows[done], row_bytes);
+  }
 };
 
 // RB rows x tc keys: tiles of TB keys, then one of 8 / RB keys for the rest (tc is a multiple
@@ -872,15 +875,18 @@ void attend_prefill(const PagedAttentionParams& p, const WorkItem& w, float* scr
       }
     }
     for (int t = n; t < N; ++t) k_rows[t] = k_rows[n - 1];  // computed, never read
-    // The next tile's rows into L2 now; this tile's float V rows into L1 while S^T is computed,
-    // the next tile's float K rows while O += P V is.
+    // The next tile's rows into L2 and this tile's float V rows into L1 while S^T is computed,
+    // the next tile's float K rows into L1 while O += P V is: a few rows per register block,
+    // so that the requests spread over the work.
+    const C *next_k[kPrefillKeys], *next_v[kPrefillKeys];
     for (int t = 0; t < n_next; ++t) {
-      prefetch_l2(k_head + k_off[cur ^ 1][t], row_bytes);
-      prefetch_l2(v_head + v_off[cur ^ 1][t], row_bytes);
+      next_k[t] = k_head + k_off[cur ^ 1][t];
+      next_v[t] = v_head + v_off[cur ^ 1][t];
     }
-    if constexpr (std::is_same_v<C, float>) {
-      for (int t = 0; t < n; ++t) prefetch(v_rows[t], row_bytes);
-    }
+    Ahead<C> k_l2{next_k, n_next, row_bytes}, v_l2{next_v, n_next, row_bytes};
+    Ahead<float> v_l1{v_rows, std::is_same_v<C, float> ? n : 0, row_bytes};
+    const int st_blocks = Mp / kRowBlock * ((n + kSK - 1) / kSK);
+    int st_done = 0;
     // S^T = K Q^T: keys past n (to a whole register tile) are computed and never read.
     for (int r0 = 0; r0 < Mp; r0 += kRowBlock) {
       for (int t0 = 0; t0 < n; t0 += kSK) {
@@ -888,14 +894,16 @@ void attend_prefill(const PagedAttentionParams& p, const WorkItem& w, float* scr
           st_block_pairs<kSK, kSR>(reinterpret_cast<const uint32_t*>(sc.qt + r0 * D), Mp, kt16 + t0 * D, D, sc.st + t0 * Mp + r0);
         else
           st_block<kSK, kSR>(sc.qt + r0 * D, Mp, k_rows + t0, D, sc.st + t0 * Mp + r0);
+        ++st_done;
+        k_l2.fetch_l2(st_done, st_blocks);
+        v_l2.fetch_l2(st_done, st_blocks);
+        v_l1.fetch(st_done, st_blocks);
       }
     }
     // Some row misses some key of the tile: causal (a key past the first query) or window.
     const bool masked = key0 + n - 1 > qpos_first || (p.sliding_window > 0 && key0 < lo_last);
     for (int r0 = 0; r0 < Mp; r0 += W) softmax_rows(p, sc, Mp, r0, key0, n, masked, s_mul);
-    if constexpr (std::is_same_v<C, float>) {
-      for (int t = 0; t < n_next; ++t) prefetch(k_head + k_off[cur ^ 1][t], row_bytes);
-    }
+    Ahead<C> k_l1{next_k, std::is_same_v<C, float> ? n_next : 0, row_bytes};
     if constexpr (kPairsHere) {
       const int np = (n + 1) / 2;
       for (int tp = 0; tp < np; ++tp) {
@@ -920,6 +928,7 @@ void attend_prefill(const PagedAttentionParams& p, const WorkItem& w, float* scr
           pv_block<kPR, kPD>(sc.st + r0, Mp, sc.corr + r0, v_rows, d, n, D, sc.o + r0 * D + d);
         for (; d < D; d += W)
           pv_block<kPR, 1>(sc.st + r0, Mp, sc.corr + r0, v_rows, d, n, D, sc.o + r0 * D + d);
+        k_l1.fetch(r0 + kPR, Mp);
       }
     }
   }
