@@ -13,7 +13,9 @@
 // pages. Decode by default: one query per sequence, one item per sequence (all kv heads).
 // new=N: chunked prefill, the last N positions of each sequence are its queries (causal), in
 // items of one kv head and RA (version A) or RB (B) query rows, as each version's attention.cpp
-// plans them (the script passes rows=).
+// plans them (the script passes rows=), taken in the planner's order (sequence, kv head, query
+// tile); with AB_A_TILE_ORDER set in the environment, version A's items are taken in the order
+// planners before 6eb6b5d used, (sequence, query tile, kv head).
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
