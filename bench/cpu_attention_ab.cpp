@@ -221,14 +221,17 @@ int main(int argc, char** argv) {
         items[v].push_back({s, 0, kv_heads, 0, 1, 0, context, -1});
         continue;
       }
-      const bool tile_major = v == 0 && std::getenv("AB_A_TILE_ORDER") != nullptr;
-      for (int h = 0; h < (tile_major ? 1 : kv_heads); ++h)
-        for (int q0 = 0; q0 < q_len; q0 += tile) {
-          const int count = std::min(tile, q_len - q0);
-          const int key_end = context - q_len + q0 + count;
-          for (int hh = tile_major ? 0 : h; hh < (tile_major ? kv_heads : h + 1); ++hh)
-            items[v].push_back({s, hh, 1, q0, count, 0, key_end, -1});
-        }
+      const auto push = [&](int h, int q0) {
+        const int count = std::min(tile, q_len - q0);
+        items[v].push_back({s, h, 1, q0, count, 0, context - q_len + q0 + count, -1});
+      };
+      if (v == 0 && std::getenv("AB_A_TILE_ORDER") != nullptr) {
+        for (int q0 = 0; q0 < q_len; q0 += tile)
+          for (int h = 0; h < kv_heads; ++h) push(h, q0);
+      } else {
+        for (int h = 0; h < kv_heads; ++h)
+          for (int q0 = 0; q0 < q_len; q0 += tile) push(h, q0);
+      }
     }
   }
   const int64_t per_thread = cpu::scratch_floats(std::max({kHeads, rows[0], rows[1]}), kHeadSize);

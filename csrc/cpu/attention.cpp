@@ -75,20 +75,17 @@ struct QueryTile {
   int32_t q_begin, q_count, key_begin, key_end;
 };
 
-// Calls f(seq, tile) for every query tile of every sequence with at least one query.
+// Calls f(tile) for every query tile of sequence s (none if it has no query).
 template <typename F>
-void for_each_tile(const PagedAttentionParams& p, int32_t q_tile, F&& f) {
-  for (int32_t s = 0; s < p.num_seqs; ++s) {
-    const int32_t L = p.seq_lens[s];
-    const int32_t q_len =
-        p.query_start_loc ? p.query_start_loc[s + 1] - p.query_start_loc[s] : 1;
-    for (int32_t q0 = 0; q0 < q_len; q0 += q_tile) {
-      const int32_t count = std::min(q_tile, q_len - q0);
-      const int32_t first_pos = L - q_len + q0;  // the tile's queries: first_pos ..
-      const int32_t key_begin =
-          p.sliding_window > 0 ? std::max(0, first_pos - p.sliding_window + 1) : 0;
-      f(s, QueryTile{q0, count, std::min(key_begin, L), std::max(0, first_pos + count)});
-    }
+void for_each_tile_of(const PagedAttentionParams& p, int32_t s, int32_t q_tile, F&& f) {
+  const int32_t L = p.seq_lens[s];
+  const int32_t q_len = p.query_start_loc ? p.query_start_loc[s + 1] - p.query_start_loc[s] : 1;
+  for (int32_t q0 = 0; q0 < q_len; q0 += q_tile) {
+    const int32_t count = std::min(q_tile, q_len - q0);
+    const int32_t first_pos = L - q_len + q0;  // the tile's queries: first_pos ..
+    const int32_t key_begin =
+        p.sliding_window > 0 ? std::max(0, first_pos - p.sliding_window + 1) : 0;
+    f(QueryTile{q0, count, std::min(key_begin, L), std::max(0, first_pos + count)});
   }
 }
 
@@ -102,23 +99,20 @@ Plan plan_work(const PagedAttentionParams& p, int threads) {
   plan.rows_per_item = heads_per_item * group * q_tile;
   const int32_t head_items = p.num_kv_heads / heads_per_item;
   int64_t total_keys = 0;
-  for_each_tile(p, q_tile, [&](int32_t, const QueryTile& t) {
-    total_keys += int64_t{t.key_end - t.key_begin} * head_items;
-  });
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    for_each_tile_of(p, s, q_tile, [&](const QueryTile& t) {
+      total_keys += int64_t{t.key_end - t.key_begin} * head_items;
+    });
+  }
   const int64_t target = std::max<int64_t>(1, int64_t{kItemsPerThread} * threads);
   int64_t part = std::max<int64_t>(kMinKeysPerItem, (total_keys + target - 1) / target);
   part = (part + kKeysPerChunk - 1) / kKeysPerChunk * kKeysPerChunk;
   // Items in the order (sequence, kv head, query tile): the threads, taking them in turn, work
   // on the tiles of one kv head together, so that its K/V rows (every tile reads a prefix of
   // them) are read from L3 rather than memory.
-  std::vector<std::pair<int32_t, QueryTile>> tiles;
-  for_each_tile(p, q_tile, [&](int32_t s, const QueryTile& t) { tiles.emplace_back(s, t); });
-  for (size_t first = 0, last; first < tiles.size(); first = last) {
-    last = first;
-    while (last < tiles.size() && tiles[last].first == tiles[first].first) ++last;
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
     for (int32_t h = 0; h < p.num_kv_heads; h += heads_per_item) {
-      for (size_t i = first; i < last; ++i) {
-        const auto& [s, t] = tiles[i];
+      for_each_tile_of(p, s, q_tile, [&](const QueryTile& t) {
         const int64_t keys = t.key_end - t.key_begin;
         const int32_t parts =
             static_cast<int32_t>(std::max<int64_t>(1, (keys + part - 1) / part));
@@ -129,7 +123,7 @@ Plan plan_work(const PagedAttentionParams& p, int threads) {
           const int64_t slot = parts > 1 ? plan.num_slots++ : -1;
           plan.items.push_back({s, h, heads_per_item, t.q_begin, t.q_count, begin, end, slot});
         }
-      }
+      });
     }
   }
   return plan;
