@@ -6,7 +6,8 @@
 #   make bench             set up, build, run every microbenchmark
 #   make test TORCH=2.13.0 the same against the CPU-only torch build (no nvcc use)
 #   make ctest             torch-free native targets: emulator self-tests, CPU attention kernels
-#                          of every instruction set, nvcc + ptxas report
+#                          of every instruction set and their bf16 prefill test (also under
+#                          ASan + UBSan), nvcc + ptxas report
 #   make sanitize          the simt suites on an ASan + UBSan build of pagedkv._simt, and the
 #                          emulator self-tests under TSan (what CI runs after `make test`)
 

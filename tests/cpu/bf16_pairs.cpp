@@ -1,0 +1,377 @@
+// The CPU prefill kernel's two bfloat16 paths against a double-precision reference, for every
+// instruction set the processor has, torch-free (ctest: cpu_bf16_pairs_<set>).
+//
+// With AVX512_BF16, bfloat16 caches take the prefill GEMMs on bfloat16 pairs (vdpbf16ps: Q^T and
+// K as pairs of head dimensions, P rounded to bfloat16 and V as pairs of keys; see
+// docs/cpu_attention.md). Few machines have the instruction, so the pair path is also compiled
+// here into the base, AVX2 and AVX-512F kernels with PKV_DOT_PAIRS=1, where dot_pairs is two
+// FMAs: its packing, its rounding of P and its odd last key then run on any x86-64 processor.
+// Each set is compiled twice, float path and pair path, and both are checked on the same batch:
+// odd sequence and query lengths, shuffled block tables, block sizes 7, 16 and 32, head sizes
+// 64, 72, 128 and 256, GQA 1, 4 and 8, sliding window, soft cap and ALiBi; outputs poisoned with
+// NaN before the run.
+//
+// Bound per output element (row r, column d), with p_t the reference probabilities and
+// B = sum_t p_t |v_t[d]|: the float path is within 2^-8 |ref| (rounding the output to bfloat16)
+// + 1e-4 B; the pair path rounds each p_t to bfloat16 (relative error 2^-9) before P V, so it is
+// allowed 2^-8 B more. lse (float32, either path) is within 1e-4 (1 + |ref|).
+//
+//   cpu_bf16_pairs SET    (SET: base, avx2, avx512 or avx512bf16; exit 77: the processor lacks it)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "cpu/attention_work.h"
+
+#pragma GCC diagnostic ignored "-Wpsabi"  // the base set's vectors are wider than its ABI's
+#ifndef __clang__  // GCC 12 reports its own _mm512_undefined_* placeholders as uninitialized
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+// One set's kernels as namespace NS: PKV_ISA (attention_simd.h), PKV_DOT_PAIRS (the path).
+#define PKV_ISA 0
+#define PKV_DOT_PAIRS 0
+namespace pagedkv::cpu::base_float {
+#include "cpu/attention_kernel.h"
+}
+#undef PKV_DOT_PAIRS
+#define PKV_DOT_PAIRS 1
+namespace pagedkv::cpu::base_pairs {
+#include "cpu/attention_kernel.h"
+}
+#undef PKV_ISA
+#undef PKV_DOT_PAIRS
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define PKV_ISA 1
+#define PKV_DOT_PAIRS 0
+namespace pagedkv::cpu::avx2_float {
+#include "cpu/attention_kernel.h"
+}
+#undef PKV_DOT_PAIRS
+#define PKV_DOT_PAIRS 1
+namespace pagedkv::cpu::avx2_pairs {
+#include "cpu/attention_kernel.h"
+}
+#undef PKV_ISA
+#undef PKV_DOT_PAIRS
+#pragma GCC pop_options
+
+// PKV_PAIRS_NO_AVX512 leaves the AVX-512 sets out (the sanitizer build: its compile time).
+#ifndef PKV_PAIRS_NO_AVX512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+#define PKV_ISA 2
+#define PKV_DOT_PAIRS 0
+namespace pagedkv::cpu::avx512_float {
+#include "cpu/attention_kernel.h"
+}
+#undef PKV_DOT_PAIRS
+#define PKV_DOT_PAIRS 1
+namespace pagedkv::cpu::avx512_pairs {
+#include "cpu/attention_kernel.h"
+}
+#undef PKV_ISA
+#undef PKV_DOT_PAIRS
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")
+#define PKV_ISA 3
+#define PKV_DOT_PAIRS 0
+namespace pagedkv::cpu::avx512bf16_float {
+#include "cpu/attention_kernel.h"
+}
+#undef PKV_DOT_PAIRS
+#define PKV_DOT_PAIRS 1  // vdpbf16ps itself
+namespace pagedkv::cpu::avx512bf16_pairs {
+#include "cpu/attention_kernel.h"
+}
+#undef PKV_ISA
+#undef PKV_DOT_PAIRS
+#pragma GCC pop_options
+#endif
+
+using namespace pagedkv;
+
+namespace {
+
+using Attend = void (*)(const PagedAttentionParams&, const cpu::WorkItem&, float*,
+                        const cpu::Partials&);
+
+struct Set {
+  const char* name;
+  bool (*has)();
+  Attend float_path, pair_path;
+  int lanes;
+};
+
+const Set kSets[] = {
+    {"base", [] { return true; }, &cpu::base_float::attend, &cpu::base_pairs::attend,
+     cpu::base_float::W},
+    {"avx2",
+     [] {
+       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+              __builtin_cpu_supports("f16c");
+     },
+     &cpu::avx2_float::attend, &cpu::avx2_pairs::attend, cpu::avx2_float::W},
+#ifndef PKV_PAIRS_NO_AVX512
+    {"avx512",
+     [] { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+                 __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); },
+     &cpu::avx512_float::attend, &cpu::avx512_pairs::attend, cpu::avx512_float::W},
+    {"avx512bf16",
+     [] {
+       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx2") &&
+              __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+     },
+     &cpu::avx512bf16_float::attend, &cpu::avx512bf16_pairs::attend, cpu::avx512bf16_float::W},
+#endif
+};
+
+uint16_t to_bf16(float f) {  // round to nearest even (finite f)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+float from_bf16(uint16_t h) {
+  const uint32_t u = uint32_t{h} << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+struct Case {
+  const char* name;
+  int heads, kv_heads, head_size, block_size;
+  std::vector<int> seq_lens, q_lens;  // q_lens[s] <= seq_lens[s]
+  int window = -1;
+  float soft_cap = 0.f;
+  bool alibi = false;
+};
+
+// A batch of bfloat16 queries and caches, and the reference of every (token, head).
+struct Batch {
+  const Case& c;
+  int num_tokens = 0, max_blocks = 0, num_blocks = 0;
+  std::vector<int> query_start;
+  std::vector<uint16_t> query, key_cache, value_cache;
+  std::vector<int32_t> table;
+  std::vector<float> slopes;
+  std::vector<double> ref, bound, ref_lse;  // [token][head][d], [token][head]
+
+  Batch(const Case& cs, std::mt19937& rng) : c(cs) {
+    const int S = static_cast<int>(c.seq_lens.size()), D = c.head_size;
+    query_start.push_back(0);
+    for (int s = 0; s < S; ++s) {
+      query_start.push_back(query_start.back() + c.q_lens[s]);
+      max_blocks = std::max(max_blocks, (c.seq_lens[s] + c.block_size - 1) / c.block_size);
+    }
+    num_tokens = query_start.back();
+    num_blocks = S * max_blocks + 3;  // a few blocks no sequence uses
+    std::normal_distribution<float> normal;
+    const auto fill = [&](std::vector<uint16_t>& v, size_t n, float sigma) {
+      v.resize(n);
+      for (auto& x : v) x = to_bf16(sigma * normal(rng));
+    };
+    fill(query, size_t(num_tokens) * c.heads * D, 2.f);  // peaked enough to tell errors apart
+    fill(key_cache, size_t(num_blocks) * c.kv_heads * c.block_size * D, 1.f);
+    fill(value_cache, key_cache.size(), 1.f);
+    std::vector<int32_t> ids(num_blocks);
+    for (int i = 0; i < num_blocks; ++i) ids[i] = i;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    table.assign(ids.begin(), ids.begin() + S * max_blocks);
+    if (c.alibi)
+      for (int h = 0; h < c.heads; ++h) slopes.push_back(std::exp2(-8.f * (h + 1) / c.heads));
+    reference();
+  }
+
+  float k(int s, int kv, int pos, int d) const { return element(key_cache, s, kv, pos, d); }
+  float v(int s, int kv, int pos, int d) const { return element(value_cache, s, kv, pos, d); }
+  float element(const std::vector<uint16_t>& cache, int s, int kv, int pos, int d) const {
+    const int64_t block = table[s * max_blocks + pos / c.block_size];
+    const int64_t i =
+        ((block * c.kv_heads + kv) * c.block_size + pos % c.block_size) * c.head_size + d;
+    return from_bf16(cache[i]);
+  }
+
+  void reference() {
+    const int D = c.head_size, H = c.heads, group = c.heads / c.kv_heads;
+    const double scale = 1.0 / std::sqrt(double(D));
+    ref.assign(size_t(num_tokens) * H * D, 0.0);
+    bound.assign(ref.size(), 0.0);
+    ref_lse.assign(size_t(num_tokens) * H, 0.0);
+    for (size_t s = 0; s < c.seq_lens.size(); ++s) {
+      const int L = c.seq_lens[s], Q = c.q_lens[s];
+      for (int i = 0; i < Q; ++i) {
+        const int qp = L - Q + i, token = query_start[s] + i;
+        const int lo = c.window > 0 ? std::max(0, qp - c.window + 1) : 0;
+        for (int h = 0; h < H; ++h) {
+          const int kv = h / group;
+          std::vector<double> logit(qp + 1 - lo);
+          double mx = -std::numeric_limits<double>::infinity();
+          for (int kp = lo; kp <= qp; ++kp) {
+            double x = 0;
+            for (int d = 0; d < D; ++d)
+              x += double(from_bf16(query[(size_t(token) * H + h) * D + d])) * k(s, kv, kp, d);
+            x *= scale;
+            if (c.soft_cap > 0.f) x = c.soft_cap * std::tanh(x / c.soft_cap);
+            if (c.alibi) x += double(slopes[h]) * (kp - qp);
+            logit[kp - lo] = x;
+            mx = std::max(mx, x);
+          }
+          double l = 0;
+          for (double& x : logit) l += (x = std::exp(x - mx));
+          double* o = &ref[(size_t(token) * H + h) * D];
+          double* b = &bound[(size_t(token) * H + h) * D];
+          for (int kp = lo; kp <= qp; ++kp) {
+            const double pr = logit[kp - lo] / l;
+            for (int d = 0; d < D; ++d) {
+              const double vv = v(s, kv, kp, d);
+              o[d] += pr * vv;
+              b[d] += pr * std::fabs(vv);
+            }
+          }
+          ref_lse[size_t(token) * H + h] = mx + std::log(l);
+        }
+      }
+    }
+  }
+};
+
+// Runs attend over the batch's items (per sequence, kv head and tile of 96 / group query
+// tokens, as the planner makes them) and checks every output against the reference. Returns
+// the number of elements out of bounds.
+int check(const Batch& b, Attend attend, bool pairs, const char* label) {
+  const Case& c = b.c;
+  const int D = c.head_size, H = c.heads, group = H / c.kv_heads;
+  std::vector<uint16_t> out(size_t(b.num_tokens) * H * D, 0x7fc0);  // NaN
+  std::vector<float> lse(size_t(b.num_tokens) * H, std::numeric_limits<float>::quiet_NaN());
+  std::vector<int32_t> seq_lens(c.seq_lens.begin(), c.seq_lens.end());
+  int max_q = 0, max_len = 0;
+  for (size_t s = 0; s < c.seq_lens.size(); ++s) {
+    max_q = std::max(max_q, c.q_lens[s]);
+    max_len = std::max(max_len, c.seq_lens[s]);
+  }
+
+  PagedAttentionParams p{};
+  p.out = out.data();
+  p.query = b.query.data();
+  p.out_token_stride = p.q_token_stride = int64_t{H} * D;
+  p.out_head_stride = p.q_head_stride = D;
+  const CacheStrides hnd{int64_t{c.kv_heads} * c.block_size * D, int64_t{c.block_size} * D, D};
+  p.key_cache = PagedKVView{const_cast<uint16_t*>(b.key_cache.data()), hnd, c.block_size};
+  p.value_cache = PagedKVView{const_cast<uint16_t*>(b.value_cache.data()), hnd, c.block_size};
+  p.block_tables = b.table.data();
+  p.block_table_stride = b.max_blocks;
+  p.seq_lens = seq_lens.data();
+  p.query_start_loc = b.query_start.data();
+  p.alibi_slopes = c.alibi ? b.slopes.data() : nullptr;
+  p.lse_out = lse.data();
+  p.lse_token_stride = H;
+  p.lse_head_stride = 1;
+  p.num_tokens = b.num_tokens;
+  p.num_seqs = static_cast<int32_t>(c.seq_lens.size());
+  p.num_heads = H;
+  p.num_kv_heads = c.kv_heads;
+  p.head_size = D;
+  p.num_blocks = b.num_blocks;
+  p.max_blocks_per_seq = b.max_blocks;
+  p.max_seq_len = max_len;
+  p.max_query_len = max_q;
+  p.sliding_window = c.window;
+  p.scale = 1.f / std::sqrt(float(D));
+  p.soft_cap = c.soft_cap;
+  p.dtype = p.cache_dtype = DType::kBFloat16;
+
+  const int tile = std::max(1, cpu::kPrefillRows / group);
+  std::vector<float> scratch(cpu::scratch_floats(std::max(H, cpu::kPrefillRows), D));
+  const cpu::Partials partials{nullptr, nullptr, 0};
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const int L = c.seq_lens[s], Q = c.q_lens[s];
+    for (int h = 0; h < c.kv_heads; ++h) {
+      for (int q0 = 0; q0 < Q; q0 += tile) {
+        const int count = std::min(tile, Q - q0), first = L - Q + q0;
+        const int key_begin = c.window > 0 ? std::max(0, first - c.window + 1) : 0;
+        attend(p, cpu::WorkItem{s, h, 1, q0, count, key_begin, first + count, -1},
+               scratch.data(), partials);
+      }
+    }
+  }
+
+  int bad = 0;
+  double worst = 0;  // the largest error over its bound
+  for (size_t i = 0; i < out.size(); ++i) {
+    const double got = from_bf16(out[i]), want = b.ref[i];
+    const double tol =
+        std::ldexp(std::fabs(want), -8) + (pairs ? std::ldexp(1.0, -8) : 1e-4) * b.bound[i];
+    const double err = std::fabs(got - want);
+    if (!(err <= tol)) {  // NaN included: an element the kernel never wrote
+      if (bad++ < 5)
+        std::printf("  %s: out[token %zu][head %zu][%zu] = %.6g, reference %.6g (bound %.3g)\n",
+                    label, i / (size_t(H) * D), i / D % H, i % D, got, want, tol);
+    } else {
+      worst = std::max(worst, err / tol);
+    }
+  }
+  for (size_t i = 0; i < lse.size(); ++i) {
+    const double err = std::fabs(lse[i] - b.ref_lse[i]);
+    if (!(err <= 1e-4 * (1 + std::fabs(b.ref_lse[i])))) {
+      if (bad++ < 5)
+        std::printf("  %s: lse[token %zu][head %zu] = %.7g, reference %.7g\n", label, i / H,
+                    i % H, lse[i], b.ref_lse[i]);
+    }
+  }
+  std::printf("  %-24s %s  largest error %.2f of its bound\n", label, bad ? "FAIL" : "ok  ",
+              worst);
+  return bad;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Set* set = nullptr;
+  for (const Set& s : kSets)
+    if (argc == 2 && std::string(argv[1]) == s.name) set = &s;
+  if (set == nullptr) {
+    std::fprintf(stderr, "usage: %s SET (one of:", argv[0]);
+    for (const Set& s : kSets) std::fprintf(stderr, " %s", s.name);
+    std::fprintf(stderr, ")\n");
+    return 2;
+  }
+  if (!set->has()) {
+    std::printf("skipped: this processor lacks the %s instruction set\n", set->name);
+    return 77;
+  }
+  const std::vector<Case> cases = {
+      {"gqa4 d128 bs16", 32, 8, 128, 16, {301, 520, 64, 9, 1000}, {301, 77, 33, 9, 5}},
+      {"gqa8 d72 bs7 window", 16, 2, 72, 7, {333, 150}, {97, 150}, 50},
+      {"gqa1 d256 bs32 cap alibi", 4, 4, 256, 32, {211, 90}, {111, 61}, -1, 30.f, true},
+      {"gqa4 d64 bs16 window alibi", 8, 2, 64, 16, {259, 47}, {203, 47}, 100, 0.f, true},
+  };
+  std::mt19937 rng(2026);
+  int bad = 0;
+  std::printf("%s kernels, %d float lanes\n", set->name, set->lanes);
+  for (const Case& c : cases) {
+    if (c.head_size % set->lanes != 0) {  // the library takes another set for this head size
+      std::printf("  %-24s skipped: head size not a multiple of %d\n", c.name, set->lanes);
+      continue;
+    }
+    const Batch batch(c, rng);
+    bad += check(batch, set->float_path, false, (std::string(c.name) + ", float").c_str());
+    bad += check(batch, set->pair_path, true, (std::string(c.name) + ", pairs").c_str());
+  }
+  std::printf(bad ? "FAILED: %d elements out of bounds\n" : "passed\n", bad);
+  return bad ? 1 : 0;
+}
