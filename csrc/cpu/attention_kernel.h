@@ -610,54 +610,52 @@ inline uint32_t load_u32(const void* p) {
   return x;
 }
 
-// st[t * Mp + r] = k_t . q_r for KB keys (float rows k[t]) and RV * W rows (a block of qt,
-// [D][kRowBlock]).
-template <int KB, int RV>
-[[gnu::always_inline]] inline void st_block(const float* qt, int Mp, const float* const* k,
-                                            int D, float* st) {
-  const float* kr[KB];
+// The two arithmetics of the GEMMs: float numbers and FMAs, or bfloat16 pairs (kDotPairs) and
+// dot_pairs. Scalar: an element of Q^T, P^T and V as the GEMMs read them (a float, or a pair of
+// bfloat16 numbers in 32 bits); KRow: a K row (floats, or bfloat16 numbers read a pair at a
+// time); steps: the GEMM's inner dimension in Scalars (D, or D / 2).
+struct FloatMath {
+  using Scalar = float;
+  using Vec = vf;
+  using KRow = const float*;
+  static vf broadcast(float x) { return splat(x); }
+  static vf key(KRow row, int i) { return splat(row[i]); }
+  static vf lanes(const float* x) { return load(x); }
+  static vf madd(vf acc, vf a, vf b) { return fmadd(a, b, acc); }
+};
+struct PairMath {
+  using Scalar = uint32_t;
+  using Vec = vu;
+  using KRow = const uint16_t*;
+  static vu broadcast(uint32_t x) { return splat_u32(x); }
+  static vu key(KRow row, int i) { return splat_u32(load_u32(row + 2 * i)); }
+  static vu lanes(const uint32_t* x) { return load_raw<vu>(x); }
+  static vf madd(vf acc, vu a, vu b) { return dot_pairs(acc, a, b); }
+};
+
+// st[t * Mp + r] = k_t . q_r for KB keys (rows k[t]) and RV * W rows (a block of Q^T,
+// [steps][kRowBlock]).
+template <int KB, int RV, typename Math>
+[[gnu::always_inline]] inline void st_block(const typename Math::Scalar* qt, int Mp,
+                                            const typename Math::KRow* k, int steps, float* st) {
+  typename Math::KRow kr[KB];
 #pragma GCC unroll 8
   for (int t = 0; t < KB; ++t) kr[t] = k[t];
   vf acc[KB * RV];
 #pragma GCC unroll 24
   for (int i = 0; i < KB * RV; ++i) acc[i] = splat(0.f);
-  for (int d = 0; d < D; ++d) {
-    vf q[RV];
+  for (int d = 0; d < steps; ++d) {
+    typename Math::Vec q[RV];
 #pragma GCC unroll 4
     for (int j = 0; j < RV; ++j) {
-      q[j] = load(qt + d * kRowBlock + j * W);
+      q[j] = Math::lanes(qt + d * kRowBlock + j * W);
       in_register(q[j]);
     }
 #pragma GCC unroll 8
     for (int t = 0; t < KB; ++t) {
-      const vf kv = splat(kr[t][d]);
+      const typename Math::Vec kv = Math::key(kr[t], d);
 #pragma GCC unroll 4
-      for (int j = 0; j < RV; ++j) acc[t * RV + j] = fmadd(kv, q[j], acc[t * RV + j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int t = 0; t < KB; ++t)
-#pragma GCC unroll 4
-    for (int j = 0; j < RV; ++j) store(st + t * Mp + j * W, acc[t * RV + j]);
-}
-
-// st_block on bfloat16 pairs: qp a block of [D / 2][kRowBlock] pairs, kt bfloat16 rows (stride
-// D elements).
-template <int KB, int RV>
-[[gnu::always_inline]] inline void st_block_pairs(const uint32_t* qp, int Mp,
-                                                  const uint16_t* kt, int D, float* st) {
-  vf acc[KB * RV];
-#pragma GCC unroll 24
-  for (int i = 0; i < KB * RV; ++i) acc[i] = splat(0.f);
-  for (int dp = 0; dp < D / 2; ++dp) {
-    vu q[RV];
-#pragma GCC unroll 4
-    for (int j = 0; j < RV; ++j) q[j] = load_raw<vu>(qp + dp * kRowBlock + j * W);
-#pragma GCC unroll 8
-    for (int t = 0; t < KB; ++t) {
-      const vu k = splat_u32(load_u32(kt + t * D + 2 * dp));
-#pragma GCC unroll 4
-      for (int j = 0; j < RV; ++j) acc[t * RV + j] = dot_pairs(acc[t * RV + j], k, q[j]);
+      for (int j = 0; j < RV; ++j) acc[t * RV + j] = Math::madd(acc[t * RV + j], kv, q[j]);
     }
   }
 #pragma GCC unroll 8
@@ -667,11 +665,12 @@ template <int KB, int RV>
 }
 
 // o[r][0, DV * W) = o[r][..] * corr[r] + sum_t p[t * Mp + r] v_t[d0, d0 + DV * W) for RB rows
-// (o row stride D) and the tile's n keys (float rows v[t]).
-template <int RB, int DV>
-[[gnu::always_inline]] inline void pv_block(const float* pt, int Mp, const float* corr,
-                                            const float* const* v, int d0, int n, int D,
-                                            float* o) {
+// (o row stride D) over n rows of P^T and V (rows v[t]).
+template <int RB, int DV, typename Math>
+[[gnu::always_inline]] inline void pv_block(const typename Math::Scalar* pt, int Mp,
+                                            const float* corr,
+                                            const typename Math::Scalar* const* v, int d0, int n,
+                                            int D, float* o) {
   vf acc[RB * DV];
 #pragma GCC unroll 12
   for (int r = 0; r < RB; ++r) {
@@ -680,46 +679,18 @@ template <int RB, int DV>
     for (int j = 0; j < DV; ++j) acc[r * DV + j] = load(o + r * D + j * W) * c;
   }
   for (int t = 0; t < n; ++t) {
-    vf vv[DV];
-    const float* row = v[t] + d0;
+    typename Math::Vec vv[DV];
+    const typename Math::Scalar* row = v[t] + d0;
 #pragma GCC unroll 4
     for (int j = 0; j < DV; ++j) {
-      vv[j] = load(row + j * W);
+      vv[j] = Math::lanes(row + j * W);
       in_register(vv[j]);
     }
 #pragma GCC unroll 12
     for (int r = 0; r < RB; ++r) {
-      const vf pr = splat(pt[t * Mp + r]);
+      const typename Math::Vec pr = Math::broadcast(pt[t * Mp + r]);
 #pragma GCC unroll 4
-      for (int j = 0; j < DV; ++j) acc[r * DV + j] = fmadd(pr, vv[j], acc[r * DV + j]);
-    }
-  }
-#pragma GCC unroll 12
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < DV; ++j) store(o + r * D + j * W, acc[r * DV + j]);
-}
-
-// pv_block on bfloat16 pairs: pp [np][Mp] pairs of keys, vp [np][D] pairs of V rows.
-template <int RB, int DV>
-[[gnu::always_inline]] inline void pv_block_pairs(const uint32_t* pp, int Mp, const float* corr,
-                                                  const uint32_t* vp, int np, int D, float* o) {
-  vf acc[RB * DV];
-#pragma GCC unroll 12
-  for (int r = 0; r < RB; ++r) {
-    const vf c = splat(corr[r]);
-#pragma GCC unroll 4
-    for (int j = 0; j < DV; ++j) acc[r * DV + j] = load(o + r * D + j * W) * c;
-  }
-  for (int tp = 0; tp < np; ++tp) {
-    vu v[DV];
-#pragma GCC unroll 4
-    for (int j = 0; j < DV; ++j) v[j] = load_raw<vu>(vp + tp * D + j * W);
-#pragma GCC unroll 12
-    for (int r = 0; r < RB; ++r) {
-      const vu pr = splat_u32(pp[tp * Mp + r]);
-#pragma GCC unroll 4
-      for (int j = 0; j < DV; ++j) acc[r * DV + j] = dot_pairs(acc[r * DV + j], pr, v[j]);
+      for (int j = 0; j < DV; ++j) acc[r * DV + j] = Math::madd(acc[r * DV + j], pr, vv[j]);
     }
   }
 #pragma GCC unroll 12
@@ -772,6 +743,7 @@ template <typename C>
 void attend_prefill(const PagedAttentionParams& p, const WorkItem& w, float* scratch,
                     const Partials& partials) {
   constexpr bool kPairsHere = kDotPairs && std::is_same_v<C, bf16_t>;
+  using Math = std::conditional_t<kPairsHere, PairMath, FloatMath>;
   const ItemShape shape = item_shape(p, w);
   const int D = p.head_size, M = shape.rows;
   const int Mp = (M + kRowBlock - 1) / kRowBlock * kRowBlock;
@@ -829,12 +801,26 @@ void attend_prefill(const PagedAttentionParams& p, const WorkItem& w, float* scr
   uint16_t* const kt16 = reinterpret_cast<uint16_t*>(sc.kt);
   uint32_t* const vp = reinterpret_cast<uint32_t*>(sc.vt);
   uint32_t* const pp = reinterpret_cast<uint32_t*>(sc.st + N * Mp);
-  // The tile's K and V rows as floats: the cache's own (float caches) or kt's and vt's.
-  const float *k_rows[kPrefillKeys], *v_rows[kPrefillKeys];
-  for (int t = 0; t < N; ++t) {
-    k_rows[t] = sc.kt + t * D;
-    v_rows[t] = sc.vt + t * D;
+  // The GEMMs' operands: Q^T and P^T (S^T in place, or pp), and the tile's K rows and V rows:
+  // floats, the cache's own (float caches) or kt's and vt's; or kt16's rows and vp's pairs of
+  // rows (v_rows[i]: pair i).
+  const typename Math::Scalar *qt, *pt;
+  typename Math::KRow k_rows[kPrefillKeys];
+  const typename Math::Scalar* v_rows[kPrefillKeys];
+  if constexpr (kPairsHere) {
+    qt = reinterpret_cast<const uint32_t*>(sc.qt);
+    pt = pp;
+    for (int t = 0; t < N; ++t) k_rows[t] = kt16 + t * D;
+    for (int i = 0; 2 * i < N; ++i) v_rows[i] = vp + i * D;
+  } else {
+    qt = sc.qt;
+    pt = sc.st;
+    for (int t = 0; t < N; ++t) {
+      k_rows[t] = sc.kt + t * D;
+      v_rows[t] = sc.vt + t * D;
+    }
   }
+  const int steps = kPairsHere ? D / 2 : D;  // of S^T's inner dimension, in Scalars
   int cur = 0;
   k_cursor.take(keys_from(w.key_begin), k_off[cur]);
   v_cursor.take(keys_from(w.key_begin), v_off[cur]);
@@ -884,16 +870,13 @@ void attend_prefill(const PagedAttentionParams& p, const WorkItem& w, float* scr
       next_v[t] = v_head + v_off[cur ^ 1][t];
     }
     Ahead<C> k_l2{next_k, n_next, row_bytes}, v_l2{next_v, n_next, row_bytes};
-    Ahead<float> v_l1{v_rows, std::is_same_v<C, float> ? n : 0, row_bytes};
+    Ahead<typename Math::Scalar> v_l1{v_rows, std::is_same_v<C, float> ? n : 0, row_bytes};
     const int st_blocks = Mp / kRowBlock * ((n + kSK - 1) / kSK);
     int st_done = 0;
     // S^T = K Q^T: keys past n (to a whole register tile) are computed and never read.
     for (int r0 = 0; r0 < Mp; r0 += kRowBlock) {
       for (int t0 = 0; t0 < n; t0 += kSK) {
-        if constexpr (kPairsHere)
-          st_block_pairs<kSK, kSR>(reinterpret_cast<const uint32_t*>(sc.qt + r0 * D), Mp, kt16 + t0 * D, D, sc.st + t0 * Mp + r0);
-        else
-          st_block<kSK, kSR>(sc.qt + r0 * D, Mp, k_rows + t0, D, sc.st + t0 * Mp + r0);
+        st_block<kSK, kSR, Math>(qt + r0 * D, Mp, k_rows + t0, steps, sc.st + t0 * Mp + r0);
         ++st_done;
         k_l2.fetch_l2(st_done, st_blocks);
         v_l2.fetch_l2(st_done, st_blocks);
@@ -904,9 +887,8 @@ void attend_prefill(const PagedAttentionParams& p, const WorkItem& w, float* scr
     const bool masked = key0 + n - 1 > qpos_first || (p.sliding_window > 0 && key0 < lo_last);
     for (int r0 = 0; r0 < Mp; r0 += W) softmax_rows(p, sc, Mp, r0, key0, n, masked, s_mul);
     Ahead<C> k_l1{next_k, std::is_same_v<C, float> ? n_next : 0, row_bytes};
-    if constexpr (kPairsHere) {
-      const int np = (n + 1) / 2;
-      for (int tp = 0; tp < np; ++tp) {
+    if constexpr (kPairsHere) {  // P^T rounded to bfloat16, as pairs of keys (an odd last: 0)
+      for (int tp = 0; 2 * tp < n; ++tp) {
         const float* a = sc.st + 2 * tp * Mp;
         for (int r0 = 0; r0 < Mp; r0 += W) {
           const vf hi = 2 * tp + 1 < n ? load(a + Mp + r0) : splat(0.f);
@@ -914,22 +896,16 @@ void attend_prefill(const PagedAttentionParams& p, const WorkItem& w, float* scr
           std::memcpy(pp + tp * Mp + r0, &pair, sizeof pair);
         }
       }
-      for (int r0 = 0; r0 < Mp; r0 += kPR) {
-        int d = 0;
-        for (; d + kPD * W <= D; d += kPD * W)
-          pv_block_pairs<kPR, kPD>(pp + r0, Mp, sc.corr + r0, vp + d, np, D, sc.o + r0 * D + d);
-        for (; d < D; d += W)
-          pv_block_pairs<kPR, 1>(pp + r0, Mp, sc.corr + r0, vp + d, np, D, sc.o + r0 * D + d);
-      }
-    } else {
-      for (int r0 = 0; r0 < Mp; r0 += kPR) {
-        int d = 0;
-        for (; d + kPD * W <= D; d += kPD * W)
-          pv_block<kPR, kPD>(sc.st + r0, Mp, sc.corr + r0, v_rows, d, n, D, sc.o + r0 * D + d);
-        for (; d < D; d += W)
-          pv_block<kPR, 1>(sc.st + r0, Mp, sc.corr + r0, v_rows, d, n, D, sc.o + r0 * D + d);
-        k_l1.fetch(r0 + kPR, Mp);
-      }
+    }
+    // O += P V over the tile's n keys, or its (n + 1) / 2 pairs of keys.
+    const int pv_n = kPairsHere ? (n + 1) / 2 : n;
+    for (int r0 = 0; r0 < Mp; r0 += kPR) {
+      int d = 0;
+      for (; d + kPD * W <= D; d += kPD * W)
+        pv_block<kPR, kPD, Math>(pt + r0, Mp, sc.corr + r0, v_rows, d, pv_n, D, sc.o + r0 * D + d);
+      for (; d < D; d += W)
+        pv_block<kPR, 1, Math>(pt + r0, Mp, sc.corr + r0, v_rows, d, pv_n, D, sc.o + r0 * D + d);
+      k_l1.fetch(r0 + kPR, Mp);
     }
   }
   for (int r = 0; r < M; ++r) {

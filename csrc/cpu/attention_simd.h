@@ -57,7 +57,8 @@ inline vf splat(float x) {
 }
 // Keeps v in a register: the compiler would otherwise fold its load into every instruction
 // that uses it (one load per use).
-[[gnu::always_inline]] inline void in_register(vf& v) {
+template <typename V>
+[[gnu::always_inline]] inline void in_register(V& v) {
 #if PKV_ISA >= 1
   __asm__("" : "+x"(v));
 #else
