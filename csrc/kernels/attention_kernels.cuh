@@ -421,27 +421,16 @@ cudaError_t launch_merge_attn_states(const MergeAttnParams& p, cudaStream_t stre
   return cudaGetLastError();
 }
 
-// Head size and cache dtype to template arguments; the query dtype T is fixed per translation unit
-// (see PAGEDKV_INSTANTIATE_ATTENTION). attention_padded_head() names the supported head sizes.
-template <typename T, typename C>
-cudaError_t paged_attention_cached(const PagedAttentionParams& p, const AttentionPlan& plan,
-                                   cudaStream_t stream) {
-  switch (attention_padded_head(p.head_size)) {
-    case 64: return launch_paged_attention<T, C, 64>(p, plan, stream);
-    case 128: return launch_paged_attention<T, C, 128>(p, plan, stream);
-    case 256: return launch_paged_attention<T, C, 256>(p, plan, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
+// Cache dtype and head size to template arguments; the query dtype T is fixed per translation
+// unit (see PAGEDKV_INSTANTIATE_ATTENTION).
 template <typename T>
 cudaError_t paged_attention_typed(const PagedAttentionParams& p, const AttentionPlan& plan,
                                   cudaStream_t stream) {
-  switch (p.cache_dtype) {
-    case DType::kFp8E4M3: return paged_attention_cached<T, fp8_e4m3>(p, plan, stream);
-    case DType::kFp8E5M2: return paged_attention_cached<T, fp8_e5m2>(p, plan, stream);
-    default: return paged_attention_cached<T, T>(p, plan, stream);
-  }
+  return with_cache_type<T>(p.cache_dtype, [&]<typename C>() {
+    return with_padded_head(p.head_size, [&]<int HEAD>() {
+      return launch_paged_attention<T, C, HEAD>(p, plan, stream);
+    });
+  });
 }
 
 }  // namespace attn

@@ -42,6 +42,18 @@ inline int attention_padded_head(int head_size) {
   return head_size <= 64 ? 64 : (head_size <= 128 ? 128 : 256);
 }
 
+// Returns f.template operator()<HEAD>() for the instantiation's head size (HEAD: 64, 128 or
+// 256), or cudaErrorInvalidValue when none runs head_size.
+template <typename F>
+cudaError_t with_padded_head(int head_size, F&& f) {
+  switch (attention_padded_head(head_size)) {
+    case 64: return f.template operator()<64>();
+    case 128: return f.template operator()<128>();
+    case 256: return f.template operator()<256>();
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 inline int64_t attention_element_size(DType t) {
   switch (t) {
     case DType::kFloat32: return 4;

@@ -547,27 +547,16 @@ cudaError_t paged_attention_tc_head(const PagedAttentionParams& p, const Attenti
   }
 }
 
-template <typename T, typename C>
-cudaError_t paged_attention_tc_cached(const PagedAttentionParams& p, const AttentionPlan& plan,
-                                      cudaStream_t stream) {
-  switch (attention_padded_head(p.head_size)) {
-    case 64: return paged_attention_tc_head<T, C, 64>(p, plan, stream);
-    case 128: return paged_attention_tc_head<T, C, 128>(p, plan, stream);
-    case 256: return paged_attention_tc_head<T, C, 256>(p, plan, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
+// A 16-bit cache holds the queries' dtype (attention_tc_supported()).
 template <typename T>
 cudaError_t paged_attention_tc_typed(const PagedAttentionParams& p, const AttentionPlan& plan,
                                      cudaStream_t stream) {
-  switch (p.cache_dtype) {
-    case DType::kFp8E4M3: return paged_attention_tc_cached<T, fp8_e4m3>(p, plan, stream);
-    case DType::kFp8E5M2: return paged_attention_tc_cached<T, fp8_e5m2>(p, plan, stream);
-    default:
-      if (p.cache_dtype != p.dtype) return cudaErrorInvalidValue;
-      return paged_attention_tc_cached<T, T>(p, plan, stream);
-  }
+  return with_cache_type<T>(p.cache_dtype, [&]<typename C>() {
+    if (!is_fp8<C>::value && p.cache_dtype != p.dtype) return cudaErrorInvalidValue;
+    return with_padded_head(p.head_size, [&]<int HEAD>() {
+      return paged_attention_tc_head<T, C, HEAD>(p, plan, stream);
+    });
+  });
 }
 
 }  // namespace attn_tc

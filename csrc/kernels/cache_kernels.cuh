@@ -106,11 +106,9 @@ cudaError_t reshape_and_cache_typed(const ReshapeAndCacheParams& p, cudaStream_t
 
 template <typename Src>
 cudaError_t reshape_and_cache_src(const ReshapeAndCacheParams& p, cudaStream_t stream) {
-  switch (p.cache_dtype) {
-    case DType::kFp8E4M3: return reshape_and_cache_typed<Src, fp8_e4m3>(p, stream);
-    case DType::kFp8E5M2: return reshape_and_cache_typed<Src, fp8_e5m2>(p, stream);
-    default: return reshape_and_cache_typed<Src, Src>(p, stream);
-  }
+  return with_cache_type<Src>(p.cache_dtype, [&]<typename Cache>() {
+    return reshape_and_cache_typed<Src, Cache>(p, stream);
+  });
 }
 
 cudaError_t reshape_and_cache(const ReshapeAndCacheParams& p, cudaStream_t stream) {

@@ -1,5 +1,6 @@
 // Element types and conversions used by the kernels, identical under nvcc and simt.
 #pragma once
+#include "kernels/cache_params.h"
 #include "kernels/compat.cuh"
 
 namespace pagedkv {
@@ -11,6 +12,17 @@ struct fp8_e5m2 { __nv_fp8_storage_t bits; };
 template <typename T> struct is_fp8 { static constexpr bool value = false; };
 template <> struct is_fp8<fp8_e4m3> { static constexpr bool value = true; };
 template <> struct is_fp8<fp8_e5m2> { static constexpr bool value = true; };
+
+// Returns f.template operator()<C>() for C the element type of a cache of cache_dtype beside
+// data of type T: an fp8 tag type, or T itself (the cache holds T's dtype).
+template <typename T, typename F>
+auto with_cache_type(DType cache_dtype, F&& f) {
+  switch (cache_dtype) {
+    case DType::kFp8E4M3: return f.template operator()<fp8_e4m3>();
+    case DType::kFp8E5M2: return f.template operator()<fp8_e5m2>();
+    default: return f.template operator()<T>();
+  }
+}
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
