@@ -68,7 +68,8 @@ template <typename V>
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 // Asks for the cache lines of [p, p + bytes) ahead of their use, into L1 (or, prefetch_l2,
-// into L2 only: for more lines than L1 holds beside the work at hand).
+// into L2 only: for more lines than L1 holds beside the work at hand; prefetcht1, which Zen 3
+// fills into L1 all the same, and Zen 4 and Intel into L2).
 inline void prefetch(const void* p, int bytes) {
   for (int i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 3);
 }
