@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.sass.build import find_nvcc, unit_kernels
+from bench.sass.disasm import classify, disassemble, find_tool, parse_listing
+from bench.sass.loop import main_loop, profile_loop
+from bench.sass.model import attention_kernels, decode_cost, estimate, occupancy
 from pagedkv.tools.costmodel import DEVICES, DevicePreset
-from pagedkv.tools.gpu_model import attention_kernels, decode_cost, estimate, occupancy
-from pagedkv.tools.sass import classify, disassemble, find_tool, parse_listing
-from pagedkv.tools.sass_loop import main_loop, profile_loop
 
 # (arch, query dtype, cache dtype, padded head, GQA group) -> instructions per KiB of K/V.
 # Today: sm_90 bf16 97 / 201 / 402, fp8_e4m3 200 / 388 / 776; sm_80 bf16 98 / 202 / 403,
@@ -178,16 +179,24 @@ def test_a_binary_without_device_code_has_no_kernels():
 
 # the built module ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def decode_kernels():
+def built_kernels(unit: str) -> list:
+    """The kernels of ``csrc/cuda/<unit>.cu``: the extension module's, or compiled by nvcc when
+    the module has no CUDA code (bench.sass.build, cached under build/sass)."""
     if find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not found (PATH, $CUDA_HOME/bin, triton's bundled tools)")
     import pagedkv._C as ext
 
-    kernels = disassemble(Path(ext.__file__), images="attention_bf16")
-    if not kernels:
-        pytest.skip("the extension module holds no CUDA kernels (a CPU-only build)")
-    return attention_kernels(kernels)
+    kernels = disassemble(Path(ext.__file__), images=unit)
+    if kernels:
+        return kernels
+    if find_nvcc() is None:
+        pytest.skip("the extension module holds no CUDA kernels and nvcc is not found")
+    return unit_kernels(unit)
+
+
+@pytest.fixture(scope="module")
+def decode_kernels():
+    return attention_kernels(built_kernels("attention_bf16"))
 
 
 @pytest.mark.parametrize("key", sorted(BUDGETS), ids=lambda k: "-".join(map(str, k)))
