@@ -86,11 +86,12 @@ def load_kernels(module: Path) -> tuple[list, dict, str]:
     kernels = disassemble(module)
     if kernels or find_nvcc() is None:
         return kernels, resource_usage(module) if kernels else {}, str(module)
-    cubins = [cubin(unit, arch) for unit in UNITS for arch in ARCHS]
+    cubins = [(cubin(unit, arch), arch) for unit in UNITS for arch in ARCHS]
     usage = {}
-    for path in cubins:
-        usage |= resource_usage(path)
-    return [k for c in cubins for k in disassemble(c)], usage, f"nvcc -cubin of {', '.join(UNITS)}"
+    for path, arch in cubins:
+        usage |= resource_usage(path, arch=arch)
+    kernels = [k for path, _ in cubins for k in disassemble(path)]
+    return kernels, usage, f"nvcc -cubin of {', '.join(UNITS)}"
 
 
 def kernel_rows(kernels, usage) -> list[dict]:

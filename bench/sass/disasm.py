@@ -216,12 +216,12 @@ def _function_listing(binary: Path, name: str, arch: str) -> str:
     return f"\t.target\t{arch}\n" + "".join(sections)
 
 
-def resource_usage(binary: str | Path, cuobjdump: str | None = None) -> dict[tuple[str, str],
-                                                                              dict[str, int]]:
+def resource_usage(binary: str | Path, cuobjdump: str | None = None,
+                   arch: str = "") -> dict[tuple[str, str], dict[str, int]]:
     """``(arch, mangled name) -> {"REG": .., "SHARED": .., "LOCAL": .., ...}`` from
-    ``cuobjdump -res-usage``."""
+    ``cuobjdump -res-usage``; ``arch`` for a cubin, whose listing does not name it."""
     text = _run([cuobjdump or find_tool("cuobjdump") or "cuobjdump", "-res-usage", str(binary)])
-    usage, arch, name = {}, "", ""
+    usage, name = {}, ""
     for line in text.splitlines():
         line = line.strip()
         if m := re.match(r"arch = (sm_\d+a?)", line):
