@@ -1,6 +1,7 @@
 """The SASS performance model: the counter on synthetic listings (it finds the loop, weighs the
 branches, and reports a wasteful loop as worse), and an instruction budget on the decode kernels
-of the built module, so that a change making them issue more per K/V byte fails here.
+of the built module (or of their unit compiled by nvcc when the module has no CUDA code), so
+that a change making them issue more per K/V byte fails here.
 
 The budgets are today's figures (docs/gpu_model.md) plus about 3%: lower one when a change makes
 a kernel leaner, so that the gain is kept.
