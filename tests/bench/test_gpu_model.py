@@ -9,12 +9,13 @@ a kernel leaner, so that the gain is kept.
 
 from __future__ import annotations
 
+import ast
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench.sass.build import find_nvcc, unit_kernels
+from bench.sass.build import NVCC_FLAGS, ROOT, find_nvcc, unit_kernels
 from bench.sass.disasm import classify, disassemble, find_tool, parse_listing
 from bench.sass.loop import main_loop, profile_loop
 from bench.sass.model import attention_kernels, decode_cost, estimate, occupancy
@@ -176,6 +177,18 @@ def test_a_binary_without_device_code_has_no_kernels():
     if find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not found (PATH, $CUDA_HOME/bin, triton's bundled tools)")
     assert disassemble(sys.executable) == []
+
+
+def test_cubins_are_compiled_as_the_extension_is():
+    """bench.sass.build's flags: setup.py's NVCC_FLAGS, then what torch's cpp_extension adds."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    setup_flags = next(ast.literal_eval(node.value) for node in ast.walk(tree)
+                       if isinstance(node, ast.Assign)
+                       and any(getattr(t, "id", "") == "NVCC_FLAGS" for t in node.targets))
+    assert list(NVCC_FLAGS[:len(setup_flags)]) == setup_flags
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    assert set(COMMON_NVCC_FLAGS) <= set(NVCC_FLAGS)
 
 
 # the built module ------------------------------------------------------------------------------
