@@ -15,9 +15,9 @@ at ``memory_bandwidth x bandwidth_efficiency``; the estimate is the slower of th
 The mma.sync rate is a share of the device's dense bf16 peak (``DevicePreset.bf16_flops``):
 all of it on sm_80, where mma.sync is the tensor cores' instruction (A100: 312 TFLOPS = 108
 SMs x 1410 MHz x 2048 FLOP per SM and clock), and about 2/3 on sm_90, whose peak (989 TFLOPS)
-needs the asynchronous wgmma: "the older mma.sync instruction can only reach about 2/3 the peak
-throughput of the Hopper Tensor Cores" (FlashAttention-3, Shah et al. 2024, arXiv:2407.08608,
-section 2.2, from the microbenchmarks of Luo et al., arXiv:2402.13499).
+needs the asynchronous wgmma: without it mma.sync reaches about 2/3 of the Hopper tensor cores'
+peak (FlashAttention-3, Shah et al. 2024, arXiv:2407.08608, section 2.2, after the
+microbenchmarks of Luo et al., arXiv:2402.13499).
 """
 
 from __future__ import annotations
