@@ -4,11 +4,16 @@ and the kernels' global-memory traffic counted by the simt emulator.
 For every kernel instantiation in the module (sm_80 and sm_90): registers, warps per SM, the main
 loop's instructions per byte it loads, by class. For the decode kernels: the estimated fraction of
 HBM bandwidth and time of the standard decode shapes on A100 / H100 / H200 (docs/gpu_model.md).
+For the tensor-core kernels (prefill and decode configurations, bf16 and fp8 caches, heads
+64/128/256) and FlashAttention-2's loop from the installed torch: instructions per HMMA of the
+loop's whole body and of its common path, HMMA / LDSM / LDGSTS per tile, and the estimated
+TFLOPS of the standard chunked prefill and GB/s of the GQA-8 decode.
 Traffic (pagedkv._simt, skipped with --no-traffic): for the decode configurations (GQA 1/4/8,
 block size 1/16/256, bf16 and fp8 caches, HND and NHD) and the cache ops, K/V bytes requested over
-the minimal, sector efficiency and re-read factor, counted at a reduced size (see TRAFFIC_SIZES).
+the minimal, sector efficiency and re-read factor, counted at a reduced size (bench.gpu_traffic).
 With ``--join attention_cuda.json`` (bench_attention_cuda's measured rows): the model's estimate
-next to each measured row, the calibration of the model.
+next to each measured row, the calibration of the model. Without a CUDA build of the module, the
+attention units are compiled by nvcc instead (bench.sass.build, cached under build/sass).
 
 python -m bench.bench_gpu_model [--module PATH] [--devices a100-80gb,h100,h200] [--join FILE]
     [--no-traffic]
@@ -18,22 +23,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.gpu_traffic import print_traffic, traffic_rows
 from bench.harness import RESULTS
-from pagedkv.tools.costmodel import DEVICES, get_device
-from pagedkv.tools.gpu_model import (
+from bench.sass import tensor_core as tc
+from bench.sass.build import ARCHS, cubin, find_nvcc
+from bench.sass.disasm import CLASSES, disassemble, find_tool, resource_usage
+from bench.sass.loop import profile_loop
+from bench.sass.model import (
     attention_kernels,
     decode_cost,
     estimate,
     kernel_label,
     occupancy,
 )
-from pagedkv.tools.sass import CLASSES, disassemble, find_tool, resource_usage
-from pagedkv.tools.sass_loop import profile_loop
+from bench.sass.reference import FA2_GEOMETRY, fa2_kernel
+from pagedkv.tools.costmodel import DEVICES, get_device
 
 SIZES = [(8, 2048), (32, 4096), (1, 32768)]  # (sequences, tokens each)
 GROUPS = (1, 4, 8)  # query heads per kv head, 32 query heads
@@ -63,10 +71,27 @@ class Decode:
         return 64 if self.head_size <= 64 else 128 if self.head_size <= 128 else 256
 
 
+UNITS = ("attention_bf16", "attention_tc_bf16")  # compiled when the module has no CUDA code
+
+
 def module_path() -> Path:
     import pagedkv._C as ext
 
     return Path(ext.__file__)
+
+
+def load_kernels(module: Path) -> tuple[list, dict, str]:
+    """The kernels of ``module``, their resource usage and where they come from; UNITS
+    compiled by nvcc when the module holds no CUDA code (a CPU-only build)."""
+    kernels = disassemble(module)
+    if kernels or find_nvcc() is None:
+        return kernels, resource_usage(module) if kernels else {}, str(module)
+    cubins = [(cubin(unit, arch), arch) for unit in UNITS for arch in ARCHS]
+    usage = {}
+    for path, arch in cubins:
+        usage |= resource_usage(path, arch=arch)
+    kernels = [k for path, _ in cubins for k in disassemble(path)]
+    return kernels, usage, f"nvcc -cubin of {', '.join(UNITS)}"
 
 
 def kernel_rows(kernels, usage) -> list[dict]:
@@ -114,128 +139,73 @@ def standard_rows(kernels, devices) -> list[dict]:
     return rows
 
 
-# Traffic is counted on the emulator, orders of magnitude slower than a GPU: each standard shape
-# runs with at most this many sequences and tokens each, and one kv head (its query heads: the
-# group). The ratios below are per byte: the full shapes repeat the same requests.
-TRAFFIC_SIZES = {"seqs": 2, "tokens": 1024}
-TRAFFIC_BLOCKS = (1, 16, 256)
-TRAFFIC_LAYOUTS = ("hnd", "nhd")
-
-
-def traffic_rows() -> list[dict]:
-    """Counted traffic of the decode kernel per configuration, and of the cache ops."""
-    import torch
-
-    from pagedkv.ops import simt
-
-    if not simt.available():
-        return []
-    dtypes = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
-    rows, counted = [], {}
-    gen = torch.Generator().manual_seed(0)
-    for seqs, tokens in SIZES:
-        n, length = min(seqs, TRAFFIC_SIZES["seqs"]), min(tokens, TRAFFIC_SIZES["tokens"])
-        for cache in CACHES:
-            for group in GROUPS:
-                for block in TRAFFIC_BLOCKS:
-                    for layout in TRAFFIC_LAYOUTS:
-                        key = (n, length, cache, group, block, layout)
-                        if key not in counted:  # standard shapes reduced to the same size
-                            counted[key] = _decode_traffic(simt, n, length, group, block,
-                                                           layout, dtypes[cache], gen)
-                        kv = counted[key]
-                        minimal = 2 * n * length * 128 * ELEMENT[cache]
-                        rows.append({"case": f"decode {seqs}x{tokens} gqa{group} {cache}",
-                                     "counted": f"{n}x{length}", "block_size": block,
-                                     "layout": layout, "tag": "kv", "op": "load",
-                                     "requested_over_minimal": kv["bytes"] / minimal,
-                                     "sector_efficiency": kv["sector_efficiency"],
-                                     "reread": kv["reread"], "bytes": kv["bytes"],
-                                     "minimal": minimal})
-    rows += _cache_op_traffic(simt, gen)
-    return rows
-
-
-def _decode_traffic(simt, n, length, group, block, layout, cache_dtype, gen) -> dict:
-    import torch
-
-    blocks_per_seq = -(-length // block)
-    num_blocks = n * blocks_per_seq
-    shape = (num_blocks, 1, block, 128) if layout == "hnd" else (num_blocks, block, 1, 128)
-
-    def cache():
-        c = torch.randn(shape, generator=gen).mul(0.1).to(cache_dtype)
-        return c if layout == "hnd" else c.permute(0, 2, 1, 3)
-
-    query = torch.randn(n, group, 128, generator=gen).to(torch.bfloat16)
-    table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(n, blocks_per_seq)
-    lens = torch.full((n,), length, dtype=torch.int32)
-    scales = (torch.tensor([1.0]), torch.tensor([1.0])) if cache_dtype != torch.bfloat16 else (
-        None, None)
-    # The model is of the CUDA-core decode kernel: run it, whatever the dispatch would choose
-    # (a group of 8 goes to the tensor-core kernel by default).
-    saved = os.environ.get("PAGEDKV_ATTENTION_KERNEL")
-    os.environ["PAGEDKV_ATTENTION_KERNEL"] = "cuda_core"
-    try:
-        with simt.profile() as prof:
-            simt.ops.paged_attention(torch.empty_like(query), query, cache(), cache(), table,
-                                     lens, None, length, 1, 128**-0.5, None, -1, 0.0, *scales,
-                                     None)
-    finally:
-        if saved is None:
-            del os.environ["PAGEDKV_ATTENTION_KERNEL"]
-        else:
-            os.environ["PAGEDKV_ATTENTION_KERNEL"] = saved
-    return prof.total("paged_attention_kernel", "kv")
-
-
-def _cache_op_traffic(simt, gen) -> list[dict]:
-    import torch
-
+def tensor_core_rows(kernels, usage) -> list[dict]:
+    """Per tensor-core configuration (bf16 queries): one pass of the main loop (one warp, one
+    key tile), its whole body and its common path; FlashAttention-2's loop per arch."""
     rows = []
-    tokens, heads, block = 256, 8, 16
-    for cache, dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
-        for layout in TRAFFIC_LAYOUTS:
-            shape = (tokens // block, heads, block, 128)
-            if layout == "nhd":
-                shape = (tokens // block, block, heads, 128)
-            kc, vc = (torch.zeros(shape, dtype=dtype) for _ in range(2))
-            if layout == "nhd":
-                kc, vc = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)
-            key, value = (torch.randn(tokens, heads, 128, generator=gen).to(torch.bfloat16)
-                          for _ in range(2))
-            scales = (torch.tensor([1.0]), torch.tensor([1.0])) if cache != "bf16" else ()
-            slots = torch.randperm(tokens, generator=gen)
-            mapping = torch.tensor([[0, 1], [2, 3], [5, 4]], dtype=torch.int64)
-            with simt.profile() as prof:
-                simt.ops.reshape_and_cache(key, value, kc, vc, slots, *scales)
-                simt.ops.copy_blocks([kc], [vc], mapping)
-            for kernel, tag, op, minimal in [
-                    ("reshape_and_cache_kernel", "src", "load", 2 * key.numel() * 2),
-                    ("reshape_and_cache_kernel", "kv", "store", 2 * key.numel() * ELEMENT[cache]),
-                    ("copy_blocks_kernel", "kv", "load", 2 * 3 * block * heads * 128 *
-                     ELEMENT[cache]),
-                    ("copy_blocks_kernel", "kv", "store", 2 * 3 * block * heads * 128 *
-                     ELEMENT[cache])]:
-                t = prof.total(kernel, tag, op)
-                rows.append({"case": f"{kernel.removesuffix('_kernel')} {cache}",
-                             "counted": f"{tokens} tokens", "block_size": block,
-                             "layout": layout, "tag": tag, "op": op,
-                             "requested_over_minimal": t["bytes"] / minimal,
-                             "sector_efficiency": t["sector_efficiency"],
-                             "reread": t["reread"], "bytes": t["bytes"], "minimal": minimal})
+    for (arch, query, cache, head, kind), k in sorted(tc.tc_kernels(kernels).items()):
+        if query == "bf16" and cache in CACHES:
+            rows.append({"arch": arch, "kind": kind, "cache": cache, "head": head,
+                         "kernel": k.demangled, **_tile_row(k, usage)})
+    for arch in ARCHS:
+        k, reason = fa2_kernel(arch)
+        row = {"arch": arch, "kind": "FA2 fwd", "cache": "bf16", "head": 128}
+        rows.append(row | ({"kernel": k.demangled, **_tile_row(k, {})} if k else
+                           {"kernel": "FlashAttention-2", "skipped": reason}))
     return rows
 
 
-def print_traffic(rows: list[dict]) -> None:
-    print(f"\ntraffic counted on simt (decode: <= {TRAFFIC_SIZES['seqs']} sequences of <= "
-          f"{TRAFFIC_SIZES['tokens']} tokens, 1 kv head, head 128)")
-    print(f"{'case':<36}{'counted':>10}{'block':>6}{'layout':>7}{'tag':>5}{'op':>6}"
-          f"{'req/min':>8}{'sector eff':>11}{'reread':>7}")
+def _tile_row(kernel, usage) -> dict:
+    c = tc.tile_cost(kernel)
+    return {"registers": usage.get((kernel.arch, kernel.name), {}).get("REG", 0),
+            "body": c.static_instructions, "body_hmma": c.static_hmma,
+            "body_per_hmma": c.static_per_hmma, "instructions": c.instructions, "hmma": c.hmma,
+            "per_hmma": c.per_hmma, "ldsm": c.ldsm, "ldgsts": c.ldgsts,
+            "shared_bytes": c.shared_bytes,
+            "classes": {n: round(v, 1) for n, v in c.classes.items()}}
+
+
+def tensor_core_estimates(kernels, devices) -> list[dict]:
+    """The standard chunked prefill and GQA-8 decode (head 128) per device, bf16 and fp8
+    caches, and FlashAttention-2's loop on the prefill."""
+    found, rows = tc.tc_kernels(kernels), []
+    for device in devices:
+        for cache in CACHES:
+            size = 2 if cache == "bf16" else 1
+            for kind, shape in (("prefill", tc.Prefill(cache_bytes=size)),
+                                ("decode", tc.Decode(cache_bytes=size))):
+                k = found.get((device.sass_arch, "bf16", cache, 128, kind))
+                if k is not None:
+                    est = tc.estimate(tc.tile_cost(k), device, shape, tc.geometry(k))
+                    rows.append({"case": f"{shape} {cache}", "kernel": f"pagedkv {kind}",
+                                 **est.to_dict()})
+        fa2, _ = fa2_kernel(device.sass_arch)
+        if fa2 is not None:
+            est = tc.estimate(tc.tile_cost(fa2), device, tc.Prefill(), FA2_GEOMETRY)
+            rows.append({"case": f"{tc.Prefill()} bf16", "kernel": "FA2 fwd", **est.to_dict()})
+    return rows
+
+
+def print_tensor_core(rows: list[dict], estimates: list[dict]) -> None:
+    print("\ntensor-core main loop, one pass = one warp x one key tile (body: every instruction "
+          "of the loop as laid out; path: the common path)")
+    print(f"{'arch':<6}{'kind':<9}{'cache':<10}{'head':>5}{'regs':>5}{'body':>6}{'HMMA':>5}"
+          f"{'/HMMA':>6}{'path':>6}{'HMMA':>5}{'/HMMA':>6}{'LDSM':>5}{'LDGSTS':>7}{'shared B':>9}")
     for r in rows:
-        print(f"{r['case']:<36}{r['counted']:>10}{r['block_size']:>6}{r['layout']:>7}"
-              f"{r['tag']:>5}{r['op']:>6}{r['requested_over_minimal']:>8.2f}"
-              f"{r['sector_efficiency']:>11.1%}{r['reread']:>7.2f}")
+        head = f"{r['arch']:<6}{r['kind']:<9}{r['cache']:<10}{r['head']:>5}"
+        if "skipped" in r:
+            print(f"{head}  skipped: {r['skipped']}")
+            continue
+        print(f"{head}{r['registers'] or '-':>5}{r['body']:>6}{r['body_hmma']:>5}"
+              f"{r['body_per_hmma']:>6.1f}{r['instructions']:>6.0f}{r['hmma']:>5.0f}"
+              f"{r['per_hmma']:>6.1f}{r['ldsm']:>5.0f}{r['ldgsts']:>7.0f}{r['shared_bytes']:>9.0f}")
+    print(f"\n{'device':<11}{'case':<46}{'kernel':<16}{'bound':>7}{'clk issue/tc/smem':>19}"
+          f"{'TFLOPS':>7}{'of peak':>8}{'GB/s':>7}{'of HBM':>7}{'ms':>8}")
+    for e in estimates:
+        clk = "/".join(f"{v:.0f}" for v in e["clocks_per_pass"].values())
+        print(f"{e['device']:<11}{e['case']:<46}{e['kernel']:<16}{e['bound']:>7}{clk:>19}"
+              f"{e['tflops']:>7.0f}{e['fraction_of_peak']:>8.0%}{e['bandwidth'] / 1e9:>7.0f}"
+              f"{e['fraction_of_hbm']:>7.0%}{e['seconds'] * 1e3:>8.3f}")
 
 
 def print_kernels(rows: list[dict]) -> None:
@@ -305,25 +275,28 @@ def main(argv: list[str] | None = None) -> None:
     if find_tool("cuobjdump") is None:
         print("bench_gpu_model: skipped, cuobjdump not found (PATH, $CUDA_HOME/bin, triton)")
         return
-    module = opts.module or module_path()
     start = time.perf_counter()
-    kernels = disassemble(module)
+    kernels, usage, source = load_kernels(opts.module or module_path())
     if not kernels:
-        print(f"bench_gpu_model: skipped, {module} holds no CUDA kernels (a CPU-only build)")
+        print(f"bench_gpu_model: skipped, {source} holds no CUDA kernels (a CPU-only build) "
+              "and nvcc is not found")
         return
-    usage = resource_usage(module)
-    print(f"disassembled {len(kernels)} kernels of {module} in "
+    print(f"disassembled {len(kernels)} kernels of {source} in "
           f"{time.perf_counter() - start:.1f} s; classes: {', '.join(CLASSES)}")
     devices = [get_device(d) for d in opts.devices.split(",")]
-    payload = {"device": "model (SASS, no GPU)", "module": str(module),
+    payload = {"device": "model (SASS, no GPU)", "module": source,
                "tools": {t: find_tool(t) for t in ("cuobjdump", "nvdisasm")},
                "devices": [{f: getattr(d, f) for f in d.__slots__} for d in devices],
-               "kernels": kernel_rows(kernels, usage), "rows": standard_rows(kernels, devices)}
+               "kernels": kernel_rows(kernels, usage), "rows": standard_rows(kernels, devices),
+               "tensor_core": tensor_core_rows(kernels, usage),
+               "tensor_core_estimates": tensor_core_estimates(kernels, devices),
+               "mma_sync_share": tc.MMA_SYNC_SHARE}
     print_kernels(payload["kernels"])
     print_estimates(payload["rows"])
+    print_tensor_core(payload["tensor_core"], payload["tensor_core_estimates"])
     if not opts.no_traffic:
         start = time.perf_counter()
-        payload["traffic"] = traffic_rows()
+        payload["traffic"] = traffic_rows(SIZES, GROUPS, CACHES)
         if payload["traffic"]:
             print_traffic(payload["traffic"])
             print(f"(counted in {time.perf_counter() - start:.0f} s)")

@@ -19,7 +19,7 @@
 #
 # Environment: PYTHON (default: python3; a Python with torch), ARCH (default 9.0),
 # MAX_JOBS (default 16), BUILD_TIMEOUT / TEST_TIMEOUT / BENCH_TIMEOUT in seconds (defaults 420,
-# 420, 240), MODEL_TIMEOUT (default 180), SANITIZE_TIMEOUT (default 240 per tool).
+# 420, 240), MODEL_TIMEOUT (default 300), SANITIZE_TIMEOUT (default 240 per tool).
 # Exit status: the number of failed steps (0: all passed).
 set -euo pipefail
 
@@ -77,7 +77,7 @@ if wants bench; then
   cp bench/results/attention_tc.json "$LOGDIR/" 2>/dev/null || true
 fi
 if wants model && [ -f bench/results/attention_cuda.json ]; then
-  step model "${MODEL_TIMEOUT:-180}" "$PYTHON" -m bench.bench_gpu_model --devices a100-80gb,h100,h200 \
+  step model "${MODEL_TIMEOUT:-300}" "$PYTHON" -m bench.bench_gpu_model --devices a100-80gb,h100,h200 \
     --join bench/results/attention_cuda.json || true
   cp bench/results/bench_gpu_model.json "$LOGDIR/" 2>/dev/null || true
 fi
@@ -92,7 +92,7 @@ if wants sanitize && command -v compute-sanitizer >/dev/null; then
     --racecheck-report hazard "${CUDA_TESTS[@]}" -x "${ATTENTION_SELECTION[@]}" || true
 fi
 if wants ncu && command -v ncu >/dev/null; then
-  step ncu "${MODEL_TIMEOUT:-180}" ncu --kernel-name regex:paged_attention_kernel --launch-skip 2 \
+  step ncu "${MODEL_TIMEOUT:-300}" ncu --kernel-name regex:paged_attention_kernel --launch-skip 2 \
     --launch-count 1 --csv --metrics smsp__inst_executed.sum,dram__bytes_read.sum,\
 gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,\
 sm__cycles_elapsed.avg.per_second "$PYTHON" -m bench.ncu_decode || true

@@ -2,7 +2,7 @@
 (docs/gpu_model.md).
 
 A decode kernel streams K/V; per pass of its main loop a warp loads ``kv_bytes`` and issues
-``instructions`` (``pagedkv.tools.sass``). An SM issues at most ``schedulers_per_sm`` warp
+``instructions`` (``bench.sass.loop``). An SM issues at most ``schedulers_per_sm`` warp
 instructions per clock, so the loop cannot stream faster than
 
     issue-bound bandwidth = sm_count x sm_clock x schedulers x issue_efficiency / (instructions
@@ -27,9 +27,9 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
+from bench.sass.disasm import Kernel
+from bench.sass.loop import LoopProfile, profile_loop
 from pagedkv.tools.costmodel import DevicePreset
-from pagedkv.tools.sass import Kernel
-from pagedkv.tools.sass_loop import LoopProfile, profile_loop
 
 __all__ = ["ROWS_PER_TILE", "DecodeCost", "Estimate", "attention_kernels", "decode_cost",
            "estimate", "kernel_label", "occupancy"]

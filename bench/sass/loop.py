@@ -3,8 +3,9 @@ loads (docs/gpu_model.md).
 
 1. **The main loop.** Every backward branch ``BRA head`` at address ``a`` closes a loop
    ``[head, a]``; the main loop is the one whose body loads the most global bytes (the sum of its
-   ``LDG`` widths), the shortest on a tie. For attention that is the K/V loop; for the cache
-   kernels the copy loop.
+   ``LDG`` and ``LDGSTS`` widths), the shortest on a tie. For attention that is the K/V loop; for
+   the cache kernels the copy loop. In a kernel with tensor-core loops it is the loop with the
+   most ``HMMA`` (then the most bytes, then the shortest): the key-tile loop, not a copy loop.
 2. **The hot path of one iteration.** The loop body is cut into basic blocks; an iteration
    enters at the head with weight 1 and every conditional forward branch passes the weight to one
    side, by what its predicate tests (``Branch.kind``):
@@ -16,25 +17,33 @@ loads (docs/gpu_model.md).
    - ``config``: a predicate that depends only on kernel parameters (constant bank, uniform
      registers, immediates): soft cap, the unaligned-cache byte loads, a non-power-of-two block
      size. The model takes the shorter side, which is the common configuration (features off,
-     aligned caches, power-of-two blocks).
+     aligned caches, power-of-two blocks), except where only one side holds tensor-core work
+     (``HMMA``, ``LDGSTS``): that side runs (the tensor-core kernel's head-size guards).
    - ``data``: anything else (block-table entries, token bounds, values): the guarded code runs,
      as it does for every full iteration of a long context, unless it is a slow path: it calls
      a subroutine (``CALL``: an IEEE division's special cases) or loops, and no branch inside
-     guards that call or loop on its own. Inner loops count once.
+     guards that call or loop on its own. Inner loops count once. Where only one side (of an
+     if, or of an if / else) holds tensor-core work (``HMMA``, ``LDGSTS``), that side runs:
+     the next tile's copies, which every tile but the last issues.
 3. **Counts.** Each instruction of a block counts its block's weight; predicated instructions
    count too (they take an issue slot whatever their predicate). ``kv_bytes`` is 32 lanes times
    the width of the loop's widest ``LDG`` (16 B for 16-bit caches, 8 B for fp8) summed over those
-   loads; narrower loads (block-table entries) are counted as instructions only.
+   loads; narrower loads (block-table entries) are counted as instructions only. ``opcodes``
+   counts each opcode with its modifiers (``HMMA.16816.F32.BF16``, ``LDSM.16.M88.4``) the same
+   way, for the tensor-core model (``bench.sass.tensor_core``).
+
+Profiles are cached here, per kernel (by identity) and row count.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pagedkv.tools.sass import CLASSES, Instruction, Kernel, classify, load_bytes
+from bench.sass.disasm import CLASSES, Instruction, Kernel, classify, load_bytes
 
 __all__ = ["Branch", "LoopProfile", "loops", "main_loop", "profile_loop"]
 
@@ -49,11 +58,13 @@ def loops(kernel: Kernel) -> list[tuple[int, int]]:
 
 
 def main_loop(kernel: Kernel) -> tuple[int, int] | None:
-    """The loop loading the most global bytes per pass (static), the shortest on a tie."""
-    best, key = None, (0, 0)
+    """The loop with the most HMMA, then the most global bytes loaded per pass (static), the
+    shortest on a tie; None when no loop loads from global memory."""
+    best, key = None, (0, 0, 0)
     for first, last in loops(kernel):
-        loaded = sum(load_bytes(i) for i in kernel.instructions[first:last + 1])
-        k = (loaded, -(last - first))
+        body = kernel.instructions[first:last + 1]
+        loaded = sum(load_bytes(i) for i in body)
+        k = (sum(i.op == "HMMA" for i in body), loaded, -(last - first))
         if loaded and k > key:
             best, key = (first, last), k
     return best
@@ -81,6 +92,14 @@ class LoopProfile:
     load_width: int  # bytes per lane of those loads
     classes: dict[str, float] = field(default_factory=dict)
     branches: list[Branch] = field(default_factory=list)
+    opcodes: dict[str, float] = field(default_factory=dict)  # with modifiers, weighted
+    static_opcodes: dict[str, int] = field(default_factory=dict)  # the whole body, once each
+
+    def count(self, prefix: str, static: bool = False) -> float:
+        """Instructions whose opcode starts with ``prefix`` ("HMMA", "LDSM.16.MT88"), on the hot
+        path (weighted) or in the whole body (``static``)."""
+        table = self.static_opcodes if static else self.opcodes
+        return sum(n for op, n in table.items() if op.startswith(prefix))
 
     @property
     def per_byte(self) -> float:
@@ -91,14 +110,9 @@ class LoopProfile:
         return {c: n * 1024 / self.kv_bytes for c, n in self.classes.items()}
 
 
+@functools.lru_cache(maxsize=4096)
 def profile_loop(kernel: Kernel, rows: int = 4) -> LoopProfile | None:
     """The hot path of ``kernel``'s main loop with ``rows`` query rows per tile (None: no loop)."""
-    if rows not in kernel._profiles:
-        kernel._profiles[rows] = _profile(kernel, rows)
-    return kernel._profiles[rows]
-
-
-def _profile(kernel: Kernel, rows: int) -> LoopProfile | None:
     span = main_loop(kernel)
     if span is None:
         return None
@@ -107,14 +121,18 @@ def _profile(kernel: Kernel, rows: int) -> LoopProfile | None:
     weights, branches = _weights(kernel, first, last, rows)
     width = max(load_bytes(i) for i in body)
     counts: Counter[str] = Counter()
+    opcodes: Counter[str] = Counter()
     kv = 0.0
     for insn, w in zip(body, weights, strict=True):
         counts[classify(insn)] += w
+        opcodes[insn.opcode] += w
         if load_bytes(insn) == width:
             kv += 32 * width * w
     classes = {c: counts[c] for c in CLASSES if counts[c]}
     return LoopProfile(kernel.demangled or kernel.name, kernel.arch, body[0].address,
-                       body[-1].address, len(body), sum(weights), kv, width, classes, branches)
+                       body[-1].address, len(body), sum(weights), kv, width, classes, branches,
+                       {op: n for op, n in opcodes.items() if n},
+                       dict(Counter(i.opcode for i in body)))
 
 
 def _weights(kernel: Kernel, first: int, last: int,
@@ -157,20 +175,27 @@ def _branch(kernel: Kernel, i: int, j: int, first: int, last: int, written: set[
     pred = insn.guard.lstrip("!")
     test = _definition(kernel, pred, i, (first, last))
     skipped = insns[i + 1:j]
+    then, other = skipped, []  # the side the branch skips; the else side (if / else) it runs
+    if skipped and skipped[-1].op == "BRA" and not skipped[-1].guard and (
+            skipped[-1].target or 0) > insns[j].address:
+        then, other = skipped[:-1], insns[j:kernel.at(skipped[-1].target)]
+    work = [any(i.op in _TILE_WORK for i in side) for side in (then, other)]
     if test is not None and (value := _rows_test(kernel, test, written, first, rows)) is not None:
         kind, taken = "rows", float(value != negated)
     elif test is not None and _uniform(kernel, test, (first, last), set()):
-        then_len = len(skipped)
-        else_len = 0
-        if skipped and skipped[-1].op == "BRA" and not skipped[-1].guard and (
-                skipped[-1].target or 0) > insns[j].address:
-            then_len -= 1
-            else_len = kernel.at(skipped[-1].target) - j
-        kind, taken = "config", float(then_len > else_len)
+        kind = "config"
+        taken = float(work[1] if work[0] != work[1] else len(then) > len(other))
     else:
-        kind, taken = "data", float(_slow_path(kernel, i, j))
+        kind = "data"
+        taken = float(work[1] if work[0] != work[1] else _slow_path(kernel, i, j))
     text = f"{test.opcode} {', '.join(test.operands)}" if test else "(no definition found)"
     return Branch(insn.address, kind, taken, text)
+
+
+# Tensor-core work: where only one side of a branch holds it, that side runs (a padded head's
+# guards ``kk < k_steps`` pass in full at the standard head sizes; the K/V copies of the next
+# tile run on every tile but the last).
+_TILE_WORK = ("HMMA", "LDGSTS")
 
 
 def _slow_path(kernel: Kernel, i: int, j: int) -> bool:

@@ -1,6 +1,7 @@
 """The SASS performance model: the counter on synthetic listings (it finds the loop, weighs the
 branches, and reports a wasteful loop as worse), and an instruction budget on the decode kernels
-of the built module, so that a change making them issue more per K/V byte fails here.
+of the built module (or of their unit compiled by nvcc when the module has no CUDA code), so
+that a change making them issue more per K/V byte fails here.
 
 The budgets are today's figures (docs/gpu_model.md) plus about 3%: lower one when a change makes
 a kernel leaner, so that the gain is kept.
@@ -8,15 +9,17 @@ a kernel leaner, so that the gain is kept.
 
 from __future__ import annotations
 
+import ast
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.sass.build import NVCC_FLAGS, ROOT, find_nvcc, unit_kernels
+from bench.sass.disasm import classify, disassemble, find_tool, parse_listing
+from bench.sass.loop import main_loop, profile_loop
+from bench.sass.model import attention_kernels, decode_cost, estimate, occupancy
 from pagedkv.tools.costmodel import DEVICES, DevicePreset
-from pagedkv.tools.gpu_model import attention_kernels, decode_cost, estimate, occupancy
-from pagedkv.tools.sass import classify, disassemble, find_tool, parse_listing
-from pagedkv.tools.sass_loop import main_loop, profile_loop
 
 # (arch, query dtype, cache dtype, padded head, GQA group) -> instructions per KiB of K/V.
 # Today: sm_90 bf16 97 / 201 / 402, fp8_e4m3 200 / 388 / 776; sm_80 bf16 98 / 202 / 403,
@@ -176,18 +179,38 @@ def test_a_binary_without_device_code_has_no_kernels():
     assert disassemble(sys.executable) == []
 
 
+def test_cubins_are_compiled_as_the_extension_is():
+    """bench.sass.build's flags: setup.py's NVCC_FLAGS, then what torch's cpp_extension adds."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    setup_flags = next(ast.literal_eval(node.value) for node in ast.walk(tree)
+                       if isinstance(node, ast.Assign)
+                       and any(getattr(t, "id", "") == "NVCC_FLAGS" for t in node.targets))
+    assert list(NVCC_FLAGS[:len(setup_flags)]) == setup_flags
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    assert set(COMMON_NVCC_FLAGS) <= set(NVCC_FLAGS)
+
+
 # the built module ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def decode_kernels():
+def built_kernels(unit: str) -> list:
+    """The kernels of ``csrc/cuda/<unit>.cu``: the extension module's, or compiled by nvcc when
+    the module has no CUDA code (bench.sass.build, cached under build/sass)."""
     if find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not found (PATH, $CUDA_HOME/bin, triton's bundled tools)")
     import pagedkv._C as ext
 
-    kernels = disassemble(Path(ext.__file__), images="attention_bf16")
-    if not kernels:
-        pytest.skip("the extension module holds no CUDA kernels (a CPU-only build)")
-    return attention_kernels(kernels)
+    kernels = disassemble(Path(ext.__file__), images=unit)
+    if kernels:
+        return kernels
+    if find_nvcc() is None:
+        pytest.skip("the extension module holds no CUDA kernels and nvcc is not found")
+    return unit_kernels(unit)
+
+
+@pytest.fixture(scope="module")
+def decode_kernels():
+    return attention_kernels(built_kernels("attention_bf16"))
 
 
 @pytest.mark.parametrize("key", sorted(BUDGETS), ids=lambda k: "-".join(map(str, k)))

@@ -1,12 +1,13 @@
 """SASS of the built CUDA kernels: disassembly, parsing, and the class of each instruction.
 
 The listing comes from ``cuobjdump`` (the ELF images of the extension module) and ``nvdisasm``
-(each image), or ``cuobjdump -sass`` alone; both formats parse. ``pagedkv.tools.sass_loop``
-finds a kernel's main loop and counts its hot path (docs/gpu_model.md).
+(each image), or ``cuobjdump -sass`` alone; both formats parse. ``bench.sass.loop`` finds a
+kernel's main loop and counts its hot path (docs/gpu_model.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -16,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CLASSES", "Instruction", "Kernel", "classify", "disassemble", "find_tool",
-           "load_bytes", "parse_listing", "resource_usage"]
+__all__ = ["CLASSES", "Instruction", "Kernel", "classify", "disassemble", "disassemble_function",
+           "find_tool", "load_bytes", "parse_listing", "resource_usage"]
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-6]\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 _LABEL = re.compile(r"^([.$\w]+):$")
@@ -49,11 +50,12 @@ class Instruction:
 
 
 _NO_DEST = {"BRA", "BSSY", "BSYNC", "CALL", "EXIT", "RET", "WARPSYNC", "BAR", "STG", "STS", "ST",
-            "STL", "RED", "NOP", "DEPBAR", "MEMBAR", "ERRBAR", "CCTL", "YIELD", "BPT"}
+            "STL", "RED", "NOP", "DEPBAR", "LDGSTS", "LDGDEPBAR", "MEMBAR", "ERRBAR", "CCTL",
+            "YIELD", "BPT"}
 _CARRY_OUT = {"IADD3", "LEA", "IMAD", "UIADD3", "ULEA", "UIMAD", "IADD"}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared and hashed by identity
 class Kernel:
     name: str  # mangled
     arch: str  # "sm_90"
@@ -61,7 +63,6 @@ class Kernel:
     demangled: str = ""
     _index: dict[int, int] = field(default_factory=dict, repr=False)
     _writers: dict[str, list[int]] = field(default_factory=dict, repr=False)
-    _profiles: dict[int, object] = field(default_factory=dict, repr=False)  # sass_loop
 
     def writers(self, reg: str) -> list[int]:
         """Indices of the instructions that write ``reg``, in order."""
@@ -177,12 +178,50 @@ def disassemble(binary: str | Path, images: str = "", cuobjdump: str | None = No
     return kernels
 
 
-def resource_usage(binary: str | Path, cuobjdump: str | None = None) -> dict[tuple[str, str],
-                                                                              dict[str, int]]:
+def disassemble_function(binary: str | Path, name: str, arch: str, cache: Path) -> list[Kernel]:
+    """The kernels of ``binary``'s ``arch`` images whose mangled name contains ``name``.
+
+    For a large library (torch's libtorch_cuda.so holds thousands of images): the images of
+    ``arch`` are extracted, only those holding ``name`` disassembled, and the listing of the
+    matching kernels written to ``cache`` (a folder), keyed by the binary's size and time and
+    by ``name``, so that the next call parses that file alone."""
+    path = Path(binary).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{arch}|{name}".encode())
+    listing = Path(cache) / f"{path.name}.{arch}.{key.hexdigest()[:16]}.sass"
+    if not listing.is_file():
+        text = _function_listing(path, name, arch)
+        listing.parent.mkdir(parents=True, exist_ok=True)
+        listing.with_suffix(".partial").write_text(text)
+        listing.with_suffix(".partial").replace(listing)
+    kernels = parse_listing(listing.read_text(), arch)
+    for kernel, demangled in zip(kernels, _demangle([k.name for k in kernels]), strict=True):
+        kernel.demangled = demangled
+    return kernels
+
+
+def _function_listing(binary: Path, name: str, arch: str) -> str:
+    """nvdisasm's listing of the kernels named ``name`` in ``binary``'s ``arch`` images."""
+    cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if cuobjdump is None or nvdisasm is None:
+        raise RuntimeError("cuobjdump and nvdisasm are needed (PATH, $CUDA_HOME/bin, triton)")
+    sections = []
+    with tempfile.TemporaryDirectory() as tmp:
+        _run([cuobjdump, "-xelf", f"{arch}.", str(binary)], cwd=tmp)
+        for image in sorted(Path(tmp).glob(f"*.{arch}.cubin")):
+            if name.encode() in image.read_bytes():
+                text = _run([nvdisasm, "-c", str(image)])
+                sections += [s for s in re.split(r"(?m)^(?=\.text\.)", text)
+                             if s.startswith(".text.") and name in s.split(":", 1)[0]]
+    return f"\t.target\t{arch}\n" + "".join(sections)
+
+
+def resource_usage(binary: str | Path, cuobjdump: str | None = None,
+                   arch: str = "") -> dict[tuple[str, str], dict[str, int]]:
     """``(arch, mangled name) -> {"REG": .., "SHARED": .., "LOCAL": .., ...}`` from
-    ``cuobjdump -res-usage``."""
+    ``cuobjdump -res-usage``; ``arch`` for a cubin, whose listing does not name it."""
     text = _run([cuobjdump or find_tool("cuobjdump") or "cuobjdump", "-res-usage", str(binary)])
-    usage, arch, name = {}, "", ""
+    usage, name = {}, ""
     for line in text.splitlines():
         line = line.strip()
         if m := re.match(r"arch = (sm_\d+a?)", line):
@@ -217,8 +256,8 @@ def _demangle(names: list[str]) -> list[str]:
 
 # classes ------------------------------------------------------------------------------------
 
-CLASSES = ("ffma", "fadd", "fmul", "fp32_other", "half", "convert", "mufu", "shfl", "int",
-           "predicate", "move", "uniform", "branch", "ldg", "lds", "ldc", "store", "sync",
+CLASSES = ("ffma", "fadd", "fmul", "fp32_other", "half", "convert", "mufu", "shfl", "mma",
+           "int", "predicate", "move", "uniform", "branch", "ldg", "lds", "ldc", "store", "sync",
            "other")
 """Instruction classes, in report order."""
 
@@ -228,7 +267,7 @@ _BY_OP = {
     "HFMA2": "half", "HADD2": "half", "HMUL2": "half", "HMNMX2": "half",
     "F2F": "convert", "F2FP": "convert", "I2F": "convert", "F2I": "convert",
     "I2FP": "convert", "F2IP": "convert", "PRMT": "convert",
-    "MUFU": "mufu", "SHFL": "shfl",
+    "MUFU": "mufu", "SHFL": "shfl", "HMMA": "mma", "IMMA": "mma",
     "IMAD": "int", "IADD3": "int", "IADD": "int", "LEA": "int", "SHF": "int", "LOP3": "int",
     "IABS": "int", "VIADD": "int", "VIMNMX": "int", "IMNMX": "int", "POPC": "int", "FLO": "int",
     "SGXT": "int", "BMSK": "int", "IMUL": "int", "BREV": "int", "IDP": "int",
@@ -238,10 +277,10 @@ _BY_OP = {
     "MOV": "move", "CS2R": "move", "S2R": "move", "S2UR": "move",
     "BRA": "branch", "BSSY": "branch", "BSYNC": "branch", "WARPSYNC": "branch",
     "EXIT": "branch", "CALL": "branch", "RET": "branch",
-    "LDG": "ldg", "LDS": "lds", "LDSM": "lds", "LDC": "ldc", "LD": "ldg",
+    "LDG": "ldg", "LDGSTS": "ldg", "LDS": "lds", "LDSM": "lds", "LDC": "ldc", "LD": "ldg",
     "STG": "store", "STS": "store", "ST": "store", "STL": "store", "RED": "store",
     "ATOM": "store", "ATOMS": "store",
-    "BAR": "sync", "MEMBAR": "sync", "DEPBAR": "sync",
+    "BAR": "sync", "MEMBAR": "sync", "DEPBAR": "sync", "LDGDEPBAR": "sync",
 }
 
 
@@ -267,8 +306,9 @@ def classify(insn: Instruction) -> str:
 
 
 def load_bytes(insn: Instruction) -> int:
-    """Bytes one lane loads with an LDG (0 for other instructions)."""
-    if insn.op not in ("LDG", "LD"):
+    """Bytes one lane loads from global memory with an LDG or LDGSTS (cp.async; 0 for other
+    instructions)."""
+    if insn.op not in ("LDG", "LD", "LDGSTS"):
         return 0
     for part, size in ((".128", 16), (".64", 8), (".U16", 2), (".S16", 2), (".U8", 1),
                        (".S8", 1)):
