@@ -11,7 +11,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,10 @@ class _Job:
     cost: CostModel
     budget: _Budget
     options: dict[str, Any]  # block_size, max_len, seed and the scheduler's limits
+    stats: dict[str, float] = field(init=False)  # of the trace: lengths, prefix share
+
+    def __post_init__(self) -> None:
+        self.stats = traces.trace_stats(self.requests)
 
     def simulate(self, rate: float, strategies: list[str],
                  arrivals: list[float] | None = None) -> dict[str, sim.StrategyResult]:
@@ -256,7 +260,7 @@ def _budget_text(args: argparse.Namespace, job: _Job) -> str:
 
 def _head(args: argparse.Namespace, job: _Job) -> list[str]:
     """The lines above the table: trace, cost, budget."""
-    stats = traces.trace_stats(job.requests)
+    stats = job.stats
     return [f"trace    {Path(args.trace).name}: {stats['requests']} requests, prompt mean "
             f"{stats['prompt_mean']:.0f} (p99 {stats['prompt_p99']:.0f}), output mean "
             f"{stats['output_mean']:.0f} (p99 {stats['output_p99']:.0f}), "
@@ -291,7 +295,7 @@ def _once(args: argparse.Namespace, job: _Job, head: list[str]) -> tuple[dict, s
                else f"Poisson, {rate:g} requests/s")
     binds = report.what_binds(results, job.budget.num_slots, args.max_len)
     data = report.to_json(results, config=_config(args, job),
-                          trace=traces.trace_stats(job.requests), binds=binds)
+                          trace=job.stats, binds=binds)
     lines = [*head, f"arrivals {arrives}", "", report.format_table(results, legend=False), "",
              binds["text"], "", report.LEGEND, *_plotted(args)]
     return data, "\n".join(lines)
@@ -309,7 +313,7 @@ def _sweep(args: argparse.Namespace, job: _Job, head: list[str]) -> tuple[dict, 
     busiest = results[max(results)]
     binds = report.what_binds(busiest, job.budget.num_slots, args.max_len)
     data = report.sweep_json(results, args.latency_target, config=_config(args, job),
-                             trace=traces.trace_stats(job.requests), binds=binds)
+                             trace=job.stats, binds=binds)
     lines = [*head, "", report.format_sweep(results, args.latency_target), "",
              f"at the highest rate swept, {max(results):g} requests/s:", binds["text"],
              *_plotted(args)]

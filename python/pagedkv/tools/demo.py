@@ -28,7 +28,8 @@ from pagedkv.serving.model import LlamaForCausalLM, ModelConfig
 from pagedkv.serving.parallel import TensorParallel, TensorParallelError, init_tensor_parallel
 from pagedkv.tools import argtypes
 
-__all__ = ["add_arguments", "format_report", "make_requests", "random_model", "run", "run_demo"]
+__all__ = ["add_arguments", "format_report", "main", "make_requests", "random_model", "run",
+           "run_demo"]
 
 
 def random_model(config: ModelConfig, seed: int = 0,
@@ -254,6 +255,13 @@ def run(args: argparse.Namespace) -> int:
         report.pop("outputs")
         print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["outputs_match"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``pagedkv demo`` with the arguments ``argv`` (default: the process's)."""
+    from pagedkv.tools import cli
+
+    return cli.main(["demo", *(sys.argv[1:] if argv is None else argv)])
 
 
 def _check_lengths(args: argparse.Namespace) -> None:
