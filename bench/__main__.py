@@ -19,7 +19,7 @@ SUITES = {"bench.bench_cache": True, "bench.bench_attention": True, "bench.bench
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
     args = parser.parse_args(argv)

@@ -3,14 +3,16 @@ naming the argument, before the caller changes any state."""
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Hashable, Sequence
+from numbers import Real
 from typing import Any
 
 from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["count", "extra_key_bytes", "hashable", "optional_count", "positive", "query_lens",
-           "token_ids"]
+__all__ = ["count", "extra_key_bytes", "hashable", "number", "optional_count", "positive",
+           "query_lens", "token_ids"]
 
 MAX_TOKEN_ID = (1 << 63) - 1
 """Token ids are stored (and hashed) as int64."""
@@ -138,3 +140,20 @@ def query_lens(value: Any, num_seqs: int, name: str = "num_query_tokens") -> int
         raise InvalidArgumentError(f"{name} must have one entry per sequence ({num_seqs}), got "
                                    f"{len(value)}")
     return [positive(v, f"{name}[{i}]") for i, v in enumerate(value)]
+
+
+def number(value: Any, name: str, *, at_least: float | None = None, above: float | None = None,
+           at_most: float | None = None, below: float | None = None) -> float:
+    """A real number (an int or a float, numpy's included; not a bool, not NaN) as a float, in the
+    interval the bounds give: ``>= at_least`` or ``> above``, ``<= at_most`` or ``< below``.
+    Unbounded above it must be finite; ``at_most=math.inf`` lets infinity through."""
+    low, low_closed = (at_least, True) if at_least is not None else (
+        -math.inf if above is None else above, False)
+    high, high_closed = (at_most, True) if at_most is not None else (
+        math.inf if below is None else below, False)
+    real = isinstance(value, Real) and not isinstance(value, bool)
+    if not (real and (low <= value if low_closed else low < value)  # NaN fails both
+            and (value <= high if high_closed else value < high)):
+        interval = f"{'[' if low_closed else '('}{low:g}, {high:g}{']' if high_closed else ')'}"
+        raise InvalidArgumentError(f"{name} must be a number in {interval}, got {value!r}")
+    return float(value)

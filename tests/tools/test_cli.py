@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
 from pagedkv import ops
-from pagedkv.tools import cli
+from pagedkv.tools import cli, cli_simulate
 from pagedkv.tools.costmodel import RooflineModel, get_device
 from pagedkv.tools.presets import get_model
 
@@ -132,6 +133,32 @@ def test_simulate_table_json_and_plot(capsys, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_simulate_defaults_are_where_memory_binds(capsys):
+    """No flags: OPT-13B on an A100-40GB, where 7 contiguous reservations fit in the budget and
+    paging serves more at once, faster; Llama-3-8B on an H100 is where it does not bind."""
+    roofline = RooflineModel(get_model("opt-13b"), get_device("a100-40gb"))
+    fits = roofline.spec.num_blocks_for(roofline.kv_cache_bytes()) * 16 // 2048
+    data = run_json(capsys, "simulate", "--requests", "120", "--no-progress")
+    binds, text = data["binds"], data["binds"]["text"]
+    assert (data["config"]["model"], data["config"]["device"]) == ("OPT-13B", "A100-40GB")
+    assert binds["contiguous_fits"] == fits == 7 and binds["peak_running"]["contiguous"] == fits
+    assert min(binds["peak_running"][name] for name in ("paged", "paged+prefix")) > 2 * fits
+    ratios = binds["throughput_over_contiguous"]
+    assert binds["memory_binds"] and set(ratios) == {"paged", "paged+prefix"}
+    assert min(ratios.values()) > 1.5 and f"paged {ratios['paged']:.2f}x" in text
+    assert f"KV budget  {fits} contiguous reservations of 2,048 slots fit at once" in text
+    assert text.endswith("memory binds")
+    binds = run_json(capsys, "simulate", "--requests", "120", "--no-progress", "--device", "h100",
+                     "--model", "llama-3-8b")["binds"]
+    assert not binds["memory_binds"] and binds["contiguous_fits"] > 120
+    assert max(binds["throughput_over_contiguous"].values()) < 1.1
+    assert "memory does not bind" in binds["text"]
+    alone = run_json(capsys, "simulate", "--requests", "30", "--no-progress", "--strategies",
+                     "paged")["binds"]
+    assert alone["memory_binds"] and alone["peak_running"]["paged"] > fits
+    assert alone["throughput_over_contiguous"] == {}
+
+
 def test_simulate_sweep_rate(capsys, tmp_path):
     png = tmp_path / "rate.png"
     data = run_json(capsys, *SMALL_SIM, "--sweep-rate", "--rates", "0.5,4,64",
@@ -144,6 +171,9 @@ def test_simulate_sweep_rate(capsys, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = run_json(capsys, *SMALL_SIM, "--sweep-rate", "--strategies", "paged")
     assert len(data["rates"]) == 10  # automatic: up to 1.3x the saturated throughput
+    assert data["binds"]["peak_running"].keys() == {"paged"}
+    code, out, _ = run(capsys, *SMALL_SIM, "--sweep-rate", "--rates", "0.5,64")
+    assert code == 0 and "at the highest rate swept, 64 requests/s:" in out and "KV budget" in out
 
 
 def test_simulate_jsonl_memory_budget_and_calibration(capsys, tmp_path):
@@ -162,7 +192,8 @@ def test_simulate_jsonl_memory_budget_and_calibration(capsys, tmp_path):
             [(1, 1), (4, 4), (8, 8), (1, 64), (2, 128), (16, 16), (3, 200), (32, 32)]]
     calibration.write_text(json.dumps({"models": {"tiny": {"rows": rows}}}))
     data = run_json(capsys, "simulate", "--trace", str(path), "--memory", "64MiB",
-                    "--max-len", "256", "--calibrate", str(calibration), "--no-progress")
+                    "--model", "llama-3-8b", "--max-len", "256", "--calibrate", str(calibration),
+                    "--no-progress")
     paged = data["strategies"]["paged"]
     assert paged["finished"] == 12 and paged["ttft"]["p50"] > 0.002
     code, _, err = run(capsys, "simulate", "--trace", str(path), "--memory", "64MiB")
@@ -181,45 +212,67 @@ def test_simulate_jsonl_memory_budget_and_calibration(capsys, tmp_path):
     assert data["strategies"]["paged"]["duration"] < 10
 
 
+def _commands() -> dict:
+    return cli._parser()._subparsers._group_actions[0].choices
+
+
 def test_help_of_each_command(capsys):
-    for command in ("info", "size", "simulate"):
+    assert set(_commands()) == {"info", "size", "simulate", "demo"}
+    for command in _commands():
         with pytest.raises(SystemExit) as exit_info:
             cli.main([command, "--help"])
-        assert exit_info.value.code == 0 and "--json" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert exit_info.value.code == 0 and f"pagedkv {command}" in out and "--json" in out
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out
-    assert all(name in out for name in ("info", "size", "simulate", "bench", "demo"))
+    assert all(name in out for name in _commands()) and "bench" not in out.split("options:")[0]
 
 
-def test_bench_found_in_source_tree(capsys):
-    main = cli._bench_main()
-    assert Path(sys.modules[main.__module__].__file__).parent.name == "bench"
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench", "--help"])
-    assert exit_info.value.code == 0 and "--quick" in capsys.readouterr().out
+def test_help_outside_the_checkout(tmp_path):
+    """From another folder, with only the package on the path (as an installed one is): the
+    commands need neither bench/ nor the tests."""
+    script = ("import sys\nfrom pagedkv.tools import cli\n"
+              "for argv in [['--help'], *([c, '--help'] for c in sys.argv[1:])]:\n"
+              "    try:\n        cli.main(argv)\n    except SystemExit as e:\n"
+              "        assert e.code == 0, (argv, e.code)\n    else:\n"
+              "        raise AssertionError(argv)\n"
+              "assert 'bench' not in sys.modules\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[2])}
+    done = subprocess.run([sys.executable, "-c", script, *_commands()], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for command in _commands():
+        assert f"usage: pagedkv {command}" in done.stdout
 
 
-def test_bench_outside_a_source_tree(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "pagedkv" / "cli.py"))
+def test_bench_is_not_a_command(capsys):
     code, _, err = run(capsys, "bench")
-    assert code == 1 and "source tree" in err
+    assert code == 2 and "invalid choice: 'bench'" in err
 
 
-def test_demo_dispatch_and_missing(capsys, monkeypatch):
+def test_demo_is_a_subcommand(capsys, monkeypatch):
+    from pagedkv.tools import demo
+
     seen = []
-    monkeypatch.setitem(sys.modules, "pagedkv.tools.demo",
-                        types.SimpleNamespace(main=lambda argv=None: seen.append(argv)))
-    assert cli.main(["demo", "--steps", "3"]) == 0 and seen == [["--steps", "3"]]
-    monkeypatch.setitem(sys.modules, "pagedkv.tools.demo", None)
-    code, _, err = run(capsys, "demo")
-    assert code == 1 and "demo" in err
+
+    def run_demo(*args):
+        seen.append(args)
+        return {"outputs": [], "outputs_match": False}
+
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    monkeypatch.setattr(demo, "format_report", lambda report: "report")
+    code, out, _ = run(capsys, "demo", "--requests", "3", "--max-tokens", "5", "--device", "cpu")
+    assert code == 1 and out.strip() == "report"  # outputs_match False: exit status 1
+    assert seen[0][:5] == (3, 48, 64, 5, 192) and seen[0][7] == "cpu"
+    code, _, err = run(capsys, "demo", "--max-prompt", "3")
+    assert code == 2 and "argument --max-prompt" in err
 
 
 def test_optional_dependencies_missing(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    assert cli._progress(True) is None
+    assert cli_simulate._progress(True) is None
     code, _, err = run(capsys, *SMALL_SIM, "--strategies", "paged", "--plot",
                        str(tmp_path / "x.png"))
     assert code == 1 and "needs matplotlib" in err
@@ -264,10 +317,7 @@ BAD_VALUES = {
 
 
 def _valued_options(command: str) -> set[str]:
-    from pagedkv.tools import demo
-
-    parser = (demo._parser() if command == "demo" else
-              cli._parser()._subparsers._group_actions[0].choices[command])
+    parser = _commands()[command]
     return {next(o for o in a.option_strings if o.startswith("--")) for a in parser._actions
             if a.option_strings and a.nargs != 0 and a.dest != "help"}
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
 
+from pagedkv import checks
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.scheduler import StepShape
 from pagedkv.tools.costmodel import (
     DEVICES,
@@ -17,9 +20,9 @@ from pagedkv.tools.costmodel import (
     DevicePreset,
     LinearModel,
     RooflineModel,
+    _nnls,
     get_device,
     load_calibration,
-    nnls,
 )
 from pagedkv.tools.presets import MODELS, ModelPreset, get_model
 
@@ -109,10 +112,35 @@ def test_devices_and_lookup():
 @pytest.mark.parametrize("field, value", [
     ("memory_bandwidth", 0), ("bf16_flops", -1.0), ("bandwidth_efficiency", 1.5),
     ("flops_efficiency", 0), ("step_overhead", -1e-3), ("memory_bytes", float("nan")),
+    ("pcie_bandwidth", math.inf), ("issue_efficiency", True), ("step_overhead", "1ms"),
 ])
 def test_device_preset_rejects_bad_figures(field, value):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(get_device("H100"), **{field: value})
+
+
+@pytest.mark.parametrize("bounds, inside, outside", [
+    ({}, [-1e300, 0, 7, np.float32(2.5), np.int64(-3)], [math.inf, -math.inf, math.nan]),
+    ({"above": 0}, [1e-300, 5], [0, -0.0, -1, math.inf]),
+    ({"at_least": 0}, [0, -0.0, 3.5], [-1e-300, math.inf]),
+    ({"above": 0, "at_most": 1}, [1, 0.5, 1e-9], [0, 1.0000001, math.nan]),
+    ({"at_least": 0, "below": 1}, [0, 0.999], [1, -0.5]),
+    ({"above": 0, "at_most": math.inf}, [math.inf, 3], [0, math.nan, -math.inf]),
+])
+def test_number_check_takes_its_interval(bounds, inside, outside):
+    for value in inside:
+        result = checks.number(value, "x", **bounds)
+        assert type(result) is float and result == value
+    for value in [*outside, True, False, "1", None, [1.0], 1j]:
+        with pytest.raises(InvalidArgumentError, match=r"^x must be a number in [\[(]"):
+            checks.number(value, "x", **bounds)
+
+
+def test_number_check_message_names_the_interval():
+    with pytest.raises(InvalidArgumentError, match=r"rate must be a number in \(0, inf\], got 0"):
+        checks.number(0, "rate", above=0, at_most=math.inf)
+    with pytest.raises(InvalidArgumentError, match=r"share must be a number in \[0, 1\], got 2"):
+        checks.number(2, "share", at_least=0, at_most=1)
 
 
 def roofline(model: str = "Llama-3-8B", device: str = "H100", **kwargs) -> RooflineModel:
@@ -224,6 +252,7 @@ def test_mixture_reads_only_the_experts_its_tokens_use():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"tp": 0}, "tp"), ({"block_size": 0}, "block_size"), ({"cache_dtype": "int3"}, "cache_dtype"),
+    ({"tp": True}, "tp"), ({"block_size": 16.0}, "block_size"),
 ])
 def test_roofline_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -235,8 +264,9 @@ def test_bad_shapes_and_fractions_are_refused():
         roofline().step_seconds(StepShape(num_seqs=1, query_tokens=1, kv_read=-5))
     with pytest.raises(ValueError, match="shape.swap_blocks"):
         LinearModel(c0=1.0).step_seconds(StepShape(swap_blocks=-1))
-    with pytest.raises(ValueError, match="memory_fraction"):
-        roofline().kv_cache_bytes(1.5)
+    for fraction in (1.5, 0, True, math.nan):
+        with pytest.raises(ValueError, match="memory_fraction"):
+            roofline().kv_cache_bytes(fraction)
 
 
 # the linear model ---------------------------------------------------------------------------
@@ -247,7 +277,7 @@ def test_nnls_matches_the_kkt_conditions():
         # correlated columns and a mixed-sign truth: the active set must drop columns it took
         a = rng.normal(size=(40, 12)) + 10 * rng.normal(size=(40, 1))
         b = a @ rng.normal(size=12) + 0.1 * rng.normal(size=40)
-        x = nnls(a, b)
+        x = _nnls(a, b)
         gradient = a.T @ (b - a @ x)  # minus the gradient of ||a x - b||^2 / 2
         assert (x >= 0).all()
         assert np.allclose(gradient[x > 0], 0, atol=1e-8)  # free: stationary
@@ -256,7 +286,7 @@ def test_nnls_matches_the_kkt_conditions():
         if (unconstrained >= 0).all():
             assert np.allclose(x, unconstrained)
     with pytest.raises(ValueError, match="nnls"):
-        nnls(np.ones((3, 2)), np.ones(4))
+        _nnls(np.ones((3, 2)), np.ones(4))
 
 
 def random_shapes(rng: np.random.Generator, count: int) -> list[StepShape]:
@@ -314,8 +344,9 @@ def test_fit_rejects_bad_rows_and_coefficients():
         LinearModel.fit([])
     with pytest.raises(ValueError, match="seconds"):
         LinearModel.fit([(StepShape.of([4], [4]), 0.0)])
-    with pytest.raises(ValueError, match="c_kv"):
-        LinearModel(c_kv=-1e-9)
+    for bad in (-1e-9, math.inf, math.nan, True):
+        with pytest.raises(ValueError, match="c_kv"):
+            LinearModel(c_kv=bad)
 
 
 def test_json_round_trip():

@@ -212,12 +212,14 @@ def merge_attn_states(
 
 def cpu_attention_kernel(head_size: int = 128) -> str:
     """The CPU attention kernels the ops run on this processor for ``head_size``: ``"base"``,
-    ``"avx2"`` or ``"avx512"``.
+    ``"avx2"``, ``"avx512"`` or ``"avx512bf16"`` (AVX-512 with AVX512_BF16: bfloat16 prefill on
+    ``vdpbf16ps``).
 
     The answer of the extension's own run-time dispatch (csrc/cpu/attention.cpp): the widest
-    instruction set the processor has (AVX2 needs FMA and F16C too; AVX-512 is used only when
-    ``head_size`` is a multiple of 16), capped by ``PAGEDKV_CPU_ISA=base|avx2|avx512``, which
-    must name a set this processor has (``ValueError`` otherwise).
+    instruction set the processor has (AVX2 needs FMA and F16C too; the AVX-512 sets are used only
+    when ``head_size`` is a multiple of 16), capped by
+    ``PAGEDKV_CPU_ISA=base|avx2|avx512|avx512bf16``, which must name a set this processor has
+    (``ValueError`` otherwise).
     """
     return torch.ops.pagedkv.cpu_attention_kernel(head_size)
 

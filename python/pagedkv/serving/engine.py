@@ -101,10 +101,8 @@ class ServingLoop:
         token ids, holds an id outside the model's vocabulary, or with ``params.max_tokens`` does
         not fit the cache or the model's positions."""
         prompt, params = self._check_request(prompt, params)
-        if arrival_time is not None and not (isinstance(arrival_time, (int, float))
-                                             and not isinstance(arrival_time, bool)
-                                             and arrival_time >= 0):
-            raise InvalidArgumentError(f"arrival_time must be a number >= 0, got {arrival_time!r}")
+        if arrival_time is not None:
+            checks.number(arrival_time, "arrival_time", at_least=0)
         return self._queue(prompt, params, self.clock if arrival_time is None else arrival_time)
 
     def _check_request(self, prompt: Sequence[int], params: SamplingParams | None,

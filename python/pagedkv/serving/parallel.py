@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pagedkv import checks
 from pagedkv.errors import InvalidArgumentError
 
 __all__ = ["TensorParallel", "TensorParallelError", "init_tensor_parallel",
@@ -122,8 +123,7 @@ def init_tensor_parallel(tp_size: int, timeout_s: float = 60.0,
     ``backend``); with nccl each rank takes GPU LOCAL_RANK. Collectives give up after
     ``timeout_s`` seconds with ``TensorParallelError``.
     """
-    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
-        raise InvalidArgumentError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    tp_size = checks.positive(tp_size, "tp_size")
     if tp_size == 1:
         return TensorParallel()
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -17,7 +17,6 @@ hardware, which the engine measures and the simulator's cost model prices.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -42,11 +41,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.max_tokens = checks.positive(self.max_tokens, "max_tokens")
-        temperature = self.temperature
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-                math.isfinite(temperature) and temperature >= 0):
-            raise InvalidArgumentError(
-                f"temperature must be a finite number >= 0, got {temperature!r}")
+        checks.number(self.temperature, "temperature", at_least=0)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 

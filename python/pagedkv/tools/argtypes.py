@@ -8,11 +8,25 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from pagedkv.tools.presets import parse_bytes
+from pagedkv import checks
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.tools.costmodel import DevicePreset, get_device
+from pagedkv.tools.presets import ModelPreset, get_model, parse_bytes
+from pagedkv.tools.traces import TRACES
 
-__all__ = ["byte_size", "choices_list", "count", "existing_file", "fraction", "output_file",
-           "positive_float", "positive_int", "rate", "rates"]
+__all__ = ["byte_size", "choices_list", "count", "device_preset", "existing_file", "fraction",
+           "model_preset", "output_file", "positive_float", "positive_int", "rate", "rates",
+           "trace"]
+
+
+def _checked(check: Callable[..., Any], value: Any, **bounds: float) -> Any:
+    """``check(value, "the value", **bounds)`` (one of pagedkv.checks), its error argparse's."""
+    try:
+        return check(value, "the value", **bounds)
+    except InvalidArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _int(text: str) -> int:
@@ -23,49 +37,32 @@ def _int(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
+    return _checked(checks.positive, _int(text))
 
 
 def count(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
+    return _checked(checks.count, _int(text))
 
 
-def _float(text: str) -> float:
+def _float(text: str, **bounds: float) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if math.isnan(value):
-        raise argparse.ArgumentTypeError("expected a number, got nan")
-    return value
+    return _checked(checks.number, value, **bounds)
 
 
 def fraction(text: str) -> float:
-    value = _float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
+    return _float(text, at_least=0, at_most=1)
 
 
 def positive_float(text: str) -> float:
-    value = _float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
-    return value
+    return _float(text, above=0)
 
 
 def rate(text: str) -> float:
     """Requests per second > 0, or ``inf`` (all requests at time 0)."""
-    value = _float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 requests/s (or inf), got {value}")
-    return value
+    return _float(text, above=0, at_most=math.inf)
 
 
 def rates(text: str) -> list[float]:
@@ -123,3 +120,30 @@ def choices_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"repeated value in {text!r}")
         return values
     return parse
+
+
+def model_preset(text: str) -> ModelPreset:
+    """A model preset by name (case-insensitive)."""
+    try:
+        return get_model(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def device_preset(text: str) -> DevicePreset:
+    """A device preset by name (case-insensitive)."""
+    try:
+        return get_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def trace(text: str) -> str:
+    """A built-in synthetic trace's name, or a readable JSONL file."""
+    if text in TRACES:
+        return text
+    try:
+        return str(existing_file(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected {', '.join(TRACES)} or a JSONL file, got {text!r} (no such file)") from None

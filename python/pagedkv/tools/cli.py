@@ -1,15 +1,18 @@
-"""The ``pagedkv`` command: info, size, simulate, bench, demo.
+"""The ``pagedkv`` command: info, size, simulate, demo.
 
 Examples::
 
     pagedkv info
     pagedkv size --model llama-3-8b --seq-len 8192 --batch 16 --memory 80GiB
     pagedkv size --layers 32 --kv-heads 8 --head-size 128 --cache-dtype fp8 --json
-    pagedkv simulate --rate 4 --plot memory.png
+    pagedkv simulate
     pagedkv simulate --sweep-rate --plot latency.png --json
     pagedkv simulate --trace requests.jsonl --calibrate bench/results/bench_engine.json \\
         --calibrated-model demo
-    pagedkv bench --quick
+    pagedkv demo --requests 16
+
+The microbenchmarks are not a subcommand: they ship with the source tree, not the installed
+package (``python -m bench`` in a checkout).
 """
 
 from __future__ import annotations
@@ -17,11 +20,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
@@ -29,22 +30,15 @@ from pagedkv import __version__, ops
 from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.parallel import kv_heads_per_rank
-from pagedkv.tools import argtypes
-from pagedkv.tools.presets import DTYPES, MODELS, format_bytes, get_model, size_report
+from pagedkv.tools import argtypes, cli_simulate, demo
+from pagedkv.tools.presets import DTYPES, MODELS, format_bytes, size_report
 
 __all__ = ["main"]
-
-_FORWARDED = {"bench": "run the repository's microbenchmarks (python -m bench; needs a source "
-                       "checkout); arguments go to bench, see pagedkv bench --help",
-              "demo": "run the end-to-end demo (pagedkv.tools.demo); arguments go to the demo"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``pagedkv`` command line; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in _FORWARDED:
-        return _forward(argv[0], argv[1:])
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return args.run(args)
     except (ValueError, OSError, ImportError) as e:  # bad input, unreadable files, no matplotlib
@@ -61,8 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_info(sub)
     _add_size(sub)
     _add_simulate(sub)
-    for name, text in _FORWARDED.items():
-        sub.add_parser(name, help=text, add_help=False)
+    _add_demo(sub)
     return parser
 
 
@@ -103,7 +96,7 @@ def _info_data() -> dict[str, object]:
             "pagedkv._simt": simt, "gpu": gpu, "cuda_available": torch.cuda.is_available(),
             "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "cpu_attention_kernel": kernel,
-            # bfloat16 prefill on vdpbf16ps: the avx512bf16 kernels (csrc/cpu/attention_kernel.h)
+            # bfloat16 prefill on vdpbf16ps: the avx512bf16 kernels (csrc/cpu)
             "cpu_bf16_dot_products": kernel == "avx512bf16"}
 
 
@@ -133,7 +126,8 @@ def _add_size(sub: argparse._SubParsersAction) -> None:
     p = _command(sub, "size", _size, "KV cache size of a model preset or given dimensions",
                  "KV cache size: kv_cache_bytes = 2 (K and V) x layers x kv_heads x head_size\n"
                  "x seq_len x batch x bytes per element. Model presets: see --list-models.")
-    p.add_argument("--model", type=_preset, help="a preset (case-insensitive); see --list-models")
+    p.add_argument("--model", type=argtypes.model_preset,
+                   help="a preset (case-insensitive); see --list-models")
     p.add_argument("--list-models", action="store_true", help="list the presets and exit")
     p.add_argument("--layers", type=argtypes.positive_int,
                    help="attention layers (overrides the preset)")
@@ -226,294 +220,18 @@ def _list_models(args: argparse.Namespace) -> int:
     return _print(args, {"models": rows}, "\n".join(lines))
 
 
-# simulate -----------------------------------------------------------------------------------
-
-
-def _preset(text: str):
-    try:
-        return get_model(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _device(text: str):
-    from pagedkv.tools.costmodel import get_device
-
-    try:
-        return get_device(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _trace(text: str) -> str:
-    from pagedkv.tools.traces import TRACES
-
-    if text in TRACES:
-        return text
-    try:
-        return str(argtypes.existing_file(text))
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"expected {', '.join(TRACES)} or a JSONL file, got {text!r} (no such file)") from None
-
-
-_SIMULATE_EPILOG = """\
-examples:
-  pagedkv simulate                                   ShareGPT-like, H100, Llama-3-8B, all at once
-  pagedkv simulate --rate 4 --json                   Poisson arrivals at 4 requests/s
-  pagedkv simulate --sweep-rate --plot rate.png      latency vs request rate, sustained rates
-  pagedkv simulate --device a100-40gb --model opt-13b --sweep-rate   the vLLM paper's setting
-  pagedkv simulate --trace requests.jsonl --num-blocks 2048 --calibrate \\
-      bench/results/bench_engine.json --calibrated-model demo     steps timed on this machine
-The model behind the numbers (strategies, cost model, metrics): docs/simulator.md."""
+# simulate, demo -----------------------------------------------------------------------------
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
-    from pagedkv.tools import sim
-
-    p = _command(sub, "simulate", _simulate,
-                 "serving simulation with time: contiguous vs paged vs paged + prefix sharing",
-                 "Serve a request trace with the engine's scheduler, priced by a step cost model "
-                 "(a device's roofline, or steps measured here); report throughput and latency "
-                 "per strategy under one KV budget.")
-    p.epilog = _SIMULATE_EPILOG
-    trace = p.add_argument_group("trace")
-    trace.add_argument("--trace", type=_trace, default="sharegpt",
-                       help="sharegpt, alpaca, or a JSONL file (default sharegpt)")
-    trace.add_argument("--requests", "-n", type=argtypes.positive_int, default=1000,
-                       help="requests of a synthetic trace (default 1000)")
-    trace.add_argument("--seed", type=argtypes.count, default=0,
-                       help="seed of the trace and the arrivals (default 0)")
-    trace.add_argument("--system-share", type=argtypes.fraction, default=0.3,
-                       help="share of requests behind a common system prompt (default 0.3)")
-    trace.add_argument("--system-prompts", type=argtypes.positive_int, default=4,
-                       help="distinct system prompts (default 4)")
-    trace.add_argument("--system-len", type=argtypes.positive_int, default=200,
-                       help="mean system prompt length, tokens (default 200)")
-    trace.add_argument("--max-len", type=argtypes.positive_int, default=2048,
-                       help="max prompt + output tokens; contiguous reserves it (default 2048)")
-    hw = p.add_argument_group("model, device and KV budget")
-    hw.add_argument("--model", type=_preset, default="llama-3-8b",
-                    help="model preset (default llama-3-8b; pagedkv size --list-models)")
-    hw.add_argument("--device", type=_device, default="h100",
-                    help="device preset: " + ", ".join(_device_names()) + " (default h100)")
-    hw.add_argument("--calibrate", type=argtypes.existing_file, metavar="JSON",
-                    help="price steps with a fit of steps measured here "
-                         "(bench/bench_engine.py's JSON) instead of the device roofline")
-    hw.add_argument("--calibrated-model", metavar="NAME",
-                    help="which model of the --calibrate file (when it holds several)")
-    hw.add_argument("--tp", type=argtypes.positive_int, default=1,
-                    help="tensor parallel devices (default 1): each holds its share of the "
-                         "weights and KV heads; --memory and the blocks are per device")
-    hw.add_argument("--memory", type=argtypes.byte_size,
-                    help="KV budget in bytes, e.g. 8GiB (default: 90%% of the device's memory "
-                         "minus the weights)")
-    hw.add_argument("--num-blocks", type=argtypes.positive_int,
-                    help="KV budget in blocks (overrides --memory)")
-    hw.add_argument("--block-size", type=argtypes.positive_int, default=16,
-                    help="tokens per block (default 16)")
-    hw.add_argument("--cache-dtype", choices=DTYPES, metavar="DTYPE",
-                    help="cache dtype (default: the model's)")
-    sched = p.add_argument_group("scheduler")
-    sched.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256,
-                       help="requests in a batch at most (default 256)")
-    sched.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=4096,
-                       help="prompt tokens admitted per step (default 4096)")
-    sched.add_argument("--cpu-blocks", type=argtypes.count, default=0,
-                       help="CPU swap space in blocks; 0 preempts by recompute (default 0)")
-    load = p.add_argument_group("load")
-    load.add_argument("--rate", type=argtypes.rate,
-                      help="Poisson arrivals, requests/s, seeded; inf: all at time 0 (default: "
-                           "the trace's arrival_time if it has them, else inf)")
-    load.add_argument("--sweep-rate", action="store_true",
-                      help="run a range of rates (--rates) and report the sustained ones")
-    load.add_argument("--rates", type=argtypes.rates,
-                      help="rates of --sweep-rate, e.g. 1,2,4,8 (default: 10 rates from 0.1x to "
-                           "3x the best strategy's throughput with every request queued at once)")
-    load.add_argument("--latency-target", type=argtypes.positive_float, default=0.1,
-                      help="mean normalized latency a sustained rate stays within, s/token "
-                           "(default 0.1)")
-    out = p.add_argument_group("output")
-    out.add_argument("--strategies", type=argtypes.choices_list(sim.STRATEGIES),
-                     default=list(sim.STRATEGIES),
-                     help="comma-separated subset of " + ", ".join(sim.STRATEGIES))
-    out.add_argument("--plot", type=argtypes.output_file, metavar="PNG",
-                     help="write a plot: memory over time, or latency vs rate with --sweep-rate")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(parser=p)
+    p = _command(sub, "simulate", lambda args: _print(args, *cli_simulate.run(args)),
+                 cli_simulate.HELP, cli_simulate.DESCRIPTION)
+    cli_simulate.add_arguments(p)
 
 
-def _device_names() -> list[str]:
-    from pagedkv.tools.costmodel import DEVICES
-
-    return list(DEVICES)
-
-
-def _simulate(args: argparse.Namespace) -> int:
-    from pagedkv.tools import report, sim, traces
-    from pagedkv.tools.costmodel import RooflineModel, load_calibration
-
-    parser = args.parser
-    if args.rates and not args.sweep_rate:
-        parser.error("argument --rates: needs --sweep-rate")
-    if args.sweep_rate and args.rate is not None:
-        parser.error("argument --rate: not with --sweep-rate (give --rates)")
-    if args.calibrated_model and not args.calibrate:
-        parser.error("argument --calibrated-model: needs --calibrate")
-    if args.trace in traces.TRACES:
-        requests = traces.synthetic_trace(
-            args.trace, args.requests, args.seed, args.max_len, args.system_prompts,
-            args.system_share, args.system_len)
-    else:
-        try:
-            requests = traces.load_jsonl(args.trace)
-        except ValueError as e:
-            parser.error(f"argument --trace: {e}")
-    try:
-        args.model.check_tp(args.tp)
-        roofline = RooflineModel(args.model, args.device, args.cache_dtype, args.block_size,
-                                 args.tp)
-    except ValueError as e:
-        parser.error(f"argument --tp: {e}")
-    if args.calibrate and args.tp > 1:
-        parser.error("argument --tp: --calibrate prices steps measured on one device")
-    if args.calibrate:
-        try:
-            cost = load_calibration(args.calibrate, args.calibrated_model)
-        except (ValueError, KeyError) as e:
-            parser.error(f"argument --calibrate: {e}")
-    else:
-        cost = roofline
-    spec = args.model.spec(args.block_size, args.cache_dtype, args.tp)  # one device's
-    if args.num_blocks:
-        num_blocks, source = args.num_blocks, "--num-blocks"
-    elif args.memory:
-        num_blocks, source = spec.num_blocks_for(args.memory), f"{format_bytes(args.memory)}"
-    else:
-        try:
-            memory = roofline.kv_cache_bytes() // args.tp
-        except ValueError as e:
-            parser.error(f"argument --device: {e}")
-        num_blocks = spec.num_blocks_for(memory)
-        source = f"90% of {args.device.name} minus {args.model.name}'s weights"
-        if args.tp > 1:
-            source = f"90% of {args.tp} x {args.device.name} minus {args.model.name}'s weights"
-    num_slots = num_blocks * args.block_size
-    too_long = max(r.final_len for r in requests)
-    if too_long > args.max_len:
-        parser.error(f"argument --max-len: a request of the trace holds {too_long} tokens, more "
-                     f"than --max-len {args.max_len}")
-    if "contiguous" in args.strategies and args.max_len > num_slots:
-        parser.error(f"argument --max-len: contiguous reserves {args.max_len} slots per request, "
-                     f"more than the budget of {num_slots} ({source})")
-    if num_slots < too_long:
-        parser.error(f"the KV budget of {num_slots} token slots ({source}) holds no request of "
-                     f"{too_long} tokens; raise --memory or --num-blocks")
-    scheduler = dict(max_num_seqs=args.max_num_seqs,
-                     max_num_batched_tokens=args.max_num_batched_tokens,
-                     num_cpu_blocks=args.cpu_blocks)
-    kwargs = dict(block_size=args.block_size, max_len=args.max_len, seed=args.seed, **scheduler)
-    stats = traces.trace_stats(requests)
-    priced = (f"steps priced by {args.calibrate.name}" if args.calibrate else
-              f"{args.model.name} on {args.device.name} (roofline)")
-    budget = f"{num_blocks:,} blocks x {args.block_size} = {num_slots:,} token slots ({source})"
-    if args.tp > 1:
-        budget += (f"; tp {args.tp}: {format_bytes(num_blocks * spec.bytes_per_block)} of KV "
-                   f"and {num_blocks:,} blocks on each device")
-    config = {k: (str(v) if isinstance(v, Path) else
-                  v.name if hasattr(v, "name") and not isinstance(v, str) else v)
-              for k, v in vars(args).items() if k not in ("run", "json", "no_progress", "parser")}
-    config |= {"num_blocks": num_blocks, "rate": None if args.rate is None else str(args.rate)}
-    head = [f"trace    {Path(args.trace).name}: {stats['requests']} requests, prompt mean "
-            f"{stats['prompt_mean']:.0f} (p99 {stats['prompt_p99']:.0f}), output mean "
-            f"{stats['output_mean']:.0f} (p99 {stats['output_p99']:.0f}), "
-            f"{stats['prefix_share']:.0%} with a shared prefix",
-            f"cost     {priced}", f"budget   {budget}, max_len {args.max_len}"]
-    progress = _progress(not args.no_progress and sys.stderr.isatty())
-    if not args.sweep_rate:
-        timed = args.rate is None and requests[0].arrival_time is not None
-        arrivals = [r.arrival_time for r in requests] if timed else None
-        rate = math.inf if args.rate is None else args.rate
-        results = sim.simulate(requests, cost, num_slots, rate, args.strategies,
-                               arrivals=arrivals, **kwargs)
-        if args.plot:
-            report.plot(results, args.plot, num_slots, f"{head[0][9:]}\n{budget}")
-        data = report.to_json(results, config=config, trace=stats)
-        head.append("arrivals " + ("the trace's arrival times" if timed else "all at time 0"
-                                   if math.isinf(rate) else f"Poisson, {rate:g} requests/s"))
-        text = "\n".join([*head, "", report.format_table(results)]
-                         + ([f"\nplot written to {args.plot}"] if args.plot else []))
-        return _print(args, data, text)
-    rates = args.rates
-    if rates is None:  # 10 rates from 0.1x to 3x the best throughput with all queued at once
-        saturated = sim.simulate(requests, cost, num_slots, math.inf, args.strategies, **kwargs)
-        best = max(r.throughput for r in saturated.values())
-        rates = [float(f"{best * 0.1 * 30 ** (i / 9):.3g}") for i in range(10)]
-    results = sim.sweep(requests, cost, num_slots, rates, args.strategies, progress, **kwargs)
-    if args.plot:
-        report.plot_sweep(results, args.plot, args.latency_target,
-                          f"{Path(args.trace).name}, {priced}")
-    data = report.sweep_json(results, args.latency_target, config=config, trace=stats)
-    text = "\n".join([*head, "", report.format_sweep(results, args.latency_target)]
-                     + ([f"\nplot written to {args.plot}"] if args.plot else []))
-    return _print(args, data, text)
-
-
-def _progress(enabled: bool):
-    """A progress callback (done, total) drawing a tqdm bar on stderr, or None."""
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    bar = None
-
-    def update(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=total, desc="sweep", unit="run", leave=False)
-        bar.update(done - bar.n)
-        if done == total:
-            bar.close()
-
-    return update
-
-
-# bench, demo --------------------------------------------------------------------------------
-
-
-def _forward(command: str, argv: list[str]) -> int:
-    try:
-        run = _bench_main() if command == "bench" else _demo_main()
-    except RuntimeError as e:
-        print(f"pagedkv {command}: error: {e}", file=sys.stderr)
-        return 1
-    return run(argv) or 0
-
-
-def _bench_main() -> Callable[[list[str]], int | None]:
-    root = Path(__file__).resolve().parents[3]  # python/pagedkv/tools/cli.py -> the checkout
-    if not (root / "bench" / "__main__.py").is_file():
-        raise RuntimeError(f"no bench/ package next to this pagedkv ({root / 'bench'} not found): "
-                           "the benchmarks ship with the source tree, not the installed package; "
-                           "run them from a checkout (pip install -e . or python -m bench)")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    module = importlib.import_module("bench.__main__")
-    if Path(module.__file__).resolve().parent != root / "bench":
-        raise RuntimeError(f"another 'bench' package shadows {root / 'bench'}: {module.__file__}")
-    return module.main
-
-
-def _demo_main() -> Callable[[list[str]], int | None]:
-    try:
-        module = importlib.import_module("pagedkv.tools.demo")
-    except ModuleNotFoundError as e:
-        if e.name != "pagedkv.tools.demo":
-            raise
-        raise RuntimeError("this pagedkv has no demo module (pagedkv/demo.py)") from None
-    return module.main
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = _command(sub, "demo", demo.run, demo.HELP, demo.DESCRIPTION)
+    demo.add_arguments(p)
 
 
 if __name__ == "__main__":

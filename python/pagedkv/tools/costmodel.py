@@ -16,7 +16,6 @@ Both satisfy the ``CostModel`` protocol: ``step_seconds(shape)`` and ``breakdown
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -24,11 +23,12 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from pagedkv import checks
 from pagedkv.serving.scheduler import StepShape
 from pagedkv.tools.presets import DTYPES, ModelPreset
 
 __all__ = ["DEVICES", "SHAPE_FIELDS", "CostModel", "DevicePreset", "LinearModel",
-           "RooflineModel", "get_device", "load_calibration", "nnls"]
+           "RooflineModel", "get_device", "load_calibration"]
 
 SHAPE_FIELDS = tuple(f.name for f in fields(StepShape))
 """The fields of a StepShape, as the calibration rows carry them."""
@@ -54,13 +54,6 @@ def _check_shape(shape: StepShape) -> None:
         value = getattr(shape, name)
         if not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"shape.{name} must be an int >= 0, got {value!r}")
-
-
-def _positive(value: float, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return value
 
 
 # devices ------------------------------------------------------------------------------------
@@ -115,17 +108,11 @@ class DevicePreset:
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "memory_bandwidth", "bf16_flops", "pcie_bandwidth"):
-            _positive(getattr(self, name), f"DevicePreset.{name}")
+            checks.number(getattr(self, name), f"DevicePreset.{name}", above=0)
         for name in ("bandwidth_efficiency", "flops_efficiency", "pcie_efficiency",
                      "issue_efficiency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                    0 < value <= 1):
-                raise ValueError(f"DevicePreset.{name} must be in (0, 1], got {value!r}")
-        overhead = self.step_overhead
-        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not (
-                math.isfinite(overhead) and overhead >= 0):
-            raise ValueError(f"DevicePreset.step_overhead must be a number >= 0, got {overhead!r}")
+            checks.number(getattr(self, name), f"DevicePreset.{name}", above=0, at_most=1)
+        checks.number(self.step_overhead, "DevicePreset.step_overhead", at_least=0)
 
 
 # NVIDIA's A100 / H100 / H200 datasheets. Capacities are the sheets' "GB" read as GiB (what
@@ -187,10 +174,7 @@ class RooflineModel:
                  block_size: int = 16, tp: int = 1) -> None:
         if cache_dtype is not None and cache_dtype not in DTYPES:
             raise ValueError(f"cache_dtype must be one of {', '.join(DTYPES)}, got {cache_dtype!r}")
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tp must be an int >= 1, got {tp!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        tp, block_size = checks.positive(tp, "tp"), checks.positive(block_size, "block_size")
         self.model, self.device, self.tp = model, device, tp
         self.spec = model.spec(block_size, cache_dtype)
         self.rank_spec = model.spec(block_size, cache_dtype, tp)
@@ -248,9 +232,7 @@ class RooflineModel:
         """Bytes left for the KV cache on the ``tp`` devices together, after the weights, when
         the engine may use ``memory_fraction`` of each device's memory (activations and the
         CUDA context live in the rest). ValueError when the weights do not fit."""
-        if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or (
-                not 0 < memory_fraction <= 1):
-            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+        checks.number(memory_fraction, "memory_fraction", above=0, at_most=1)
         usable = int(self.device.memory_bytes * memory_fraction) * self.tp
         if usable <= self.weight_bytes:
             raise ValueError(
@@ -262,7 +244,7 @@ class RooflineModel:
 
 # linear model -------------------------------------------------------------------------------
 
-def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+def _nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
     """x >= 0 minimizing ||a x - b||: Lawson and Hanson's active-set method.
 
     Columns join the passive (free) set one at a time, the one whose gradient most wants to grow
@@ -321,11 +303,8 @@ class LinearModel:
 
     def __post_init__(self) -> None:
         for name in ("c0", *_COEFFICIENTS):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                    math.isfinite(value) and value >= 0):
-                raise ValueError(f"LinearModel.{name} must be a finite number >= 0, got {value!r}")
-            setattr(self, name, float(value))
+            setattr(self, name, checks.number(getattr(self, name), f"LinearModel.{name}",
+                                              at_least=0))
 
     @property
     def coefficients(self) -> np.ndarray:
@@ -354,14 +333,14 @@ class LinearModel:
             raise ValueError("rows is empty: fit needs measured (shape, seconds) rows")
         for shape, seconds in rows:
             _check_shape(shape)
-            _positive(seconds, "seconds of a row")
+            checks.number(seconds, "seconds of a row", above=0)
         x = np.array([[1.0, *(getattr(s, f) for f in _FEATURES)] for s, _ in rows])
         y = np.array([seconds for _, seconds in rows], dtype=float)
         weights = 1 / y if relative else np.ones_like(y)
         a = x * weights[:, None]
         scale = np.linalg.norm(a, axis=0)  # equilibrate: features span ~10 orders of magnitude
         scale[scale == 0] = 1.0
-        coefficients = nnls(a / scale, y * weights) / scale
+        coefficients = _nnls(a / scale, y * weights) / scale
         model = cls(*coefficients.tolist())
         errors = np.abs(x @ coefficients - y) / y
         model.fit_error_median = float(np.median(errors))

@@ -28,7 +28,8 @@ from pagedkv.serving.model import LlamaForCausalLM, ModelConfig
 from pagedkv.serving.parallel import TensorParallel, TensorParallelError, init_tensor_parallel
 from pagedkv.tools import argtypes
 
-__all__ = ["main", "random_model", "run_demo"]
+__all__ = ["add_arguments", "format_report", "main", "make_requests", "random_model", "run",
+           "run_demo"]
 
 
 def random_model(config: ModelConfig, seed: int = 0,
@@ -192,8 +193,16 @@ def _device(text: str) -> str:
     return text
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedkv demo", description=__doc__.splitlines()[0])
+HELP = "the end-to-end demo: a small random Llama served paged and contiguous"
+DESCRIPTION = """\
+Serve the same requests (mixed lengths, half behind a shared system prompt) with a small Llama
+of random weights, twice under one KV memory budget: with the paged cache (small blocks, prefix
+caching) and with contiguous max-length reservation. Greedy decoding, so both runs must produce
+the same tokens (exit status 1 otherwise). With --tp N, run it under torchrun --nproc-per-node N."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``pagedkv demo`` (the command line adds ``--json``)."""
     parser.add_argument("--requests", type=argtypes.positive_int, default=48,
                         help="requests (default 48)")
     parser.add_argument("--system-prompt-len", type=argtypes.count, default=48,
@@ -221,22 +230,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp-timeout", type=argtypes.positive_float, default=60.0,
                         help="seconds a rank waits for the others in a collective before "
                              "exiting with an error (default 60)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    return parser
+    parser.set_defaults(parser=parser)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``pagedkv demo``."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.max_prompt < 4:
-        parser.error(f"argument --max-prompt: must be >= 4, got {args.max_prompt}")
-    longest = args.system_prompt_len + args.max_prompt + args.max_tokens
-    if longest > args.max_model_len:
-        parser.error(f"argument --max-model-len: a request may hold {longest} tokens "
-                     f"(--system-prompt-len + --max-prompt + --max-tokens), more than "
-                     f"{args.max_model_len}")
-    _check_tp(parser, args.tp)
+def run(args: argparse.Namespace) -> int:
+    """Runs ``pagedkv demo`` with the options of ``add_arguments`` (and ``--json``); rank 0
+    prints the report. Exit status 1 when the two runs' tokens differ."""
+    _check_lengths(args)
+    _check_tp(args.parser, args.tp)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -256,6 +257,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["outputs_match"] else 1
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``pagedkv demo`` with the arguments ``argv`` (default: the process's)."""
+    from pagedkv.tools import cli
+
+    return cli.main(["demo", *(sys.argv[1:] if argv is None else argv)])
+
+
+def _check_lengths(args: argparse.Namespace) -> None:
+    if args.max_prompt < 4:
+        args.parser.error(f"argument --max-prompt: must be >= 4, got {args.max_prompt}")
+    longest = args.system_prompt_len + args.max_prompt + args.max_tokens
+    if longest > args.max_model_len:
+        args.parser.error(f"argument --max-model-len: a request may hold {longest} tokens "
+                          f"(--system-prompt-len + --max-prompt + --max-tokens), more than "
+                          f"{args.max_model_len}")
+
+
 def _check_tp(parser: argparse.ArgumentParser, tp: int) -> None:
     try:
         demo_config().check_tp(tp)
@@ -265,7 +283,3 @@ def _check_tp(parser: argparse.ArgumentParser, tp: int) -> None:
     if tp != world:
         parser.error(f"argument --tp: {tp} ranks need torchrun --nproc-per-node {tp} "
                      f"(this is {world} process(es))")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

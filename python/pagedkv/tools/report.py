@@ -8,7 +8,7 @@ from pathlib import Path
 from pagedkv.tools.sim import StrategyResult, sustained_rate
 
 __all__ = ["LEGEND", "format_sweep", "format_table", "plot", "plot_sweep", "sweep_json",
-           "to_json"]
+           "to_json", "what_binds"]
 
 
 def _pct(x: float | None) -> str:
@@ -103,6 +103,42 @@ def format_sweep(results: dict[float, dict[str, StrategyResult]], target: float)
         lines.append("  >=: within the target at every swept rate; sweep higher (--rates)")
     lines += [f"  {k}: {v:.2f}x" for k, v in data["ratio"].items() if v is not None]
     return "\n".join(lines)
+
+
+MEMORY_BINDS = 1.1
+"""The paged / contiguous throughput ratio from which the screen says that memory binds."""
+
+
+def what_binds(results: dict[str, StrategyResult], num_slots: int,
+               max_len: int) -> dict[str, object]:
+    """Whether the KV budget limits the throughput: how many requests contiguous reservation
+    fits at once (``num_slots // max_len``), how many each strategy ran at once, and each paged
+    strategy's throughput over contiguous's. Memory binds when one gets ``MEMORY_BINDS`` times
+    contiguous's or more; without a contiguous run, when paging ran more requests at once than
+    contiguous reservation fits (contiguous alone: when it ran as many). ``text`` says it."""
+    fits = num_slots // max_len
+    peaks = {name: r.peak_running for name, r in results.items()}
+    paged = {name: r for name, r in results.items() if name != "contiguous"}
+    base = results.get("contiguous")
+    ratios = {name: r.throughput / base.throughput for name, r in paged.items()} if base else {}
+    if ratios:
+        binds = max(ratios.values()) >= MEMORY_BINDS
+    else:
+        binds = max(peaks.values()) > fits if paged else peaks["contiguous"] >= fits
+    lines = [f"KV budget  {fits:,} contiguous reservations of {max_len:,} slots fit at once"
+             + "".join(f"; {name} ran up to {peaks[name]:,}" for name in paged)]
+    verdict = "memory binds" if binds else "memory does not bind"
+    if ratios:
+        verdict = "throughput over contiguous: " + ", ".join(
+            f"{name} {ratio:.2f}x" for name, ratio in ratios.items()) + f": {verdict}"
+    lines.append(f"           {verdict}")
+    if not binds:
+        lines += ["           (the step time or the arrivals limit every strategy alike; memory "
+                  "binds with more KV",
+                  "           per request: a longer --max-len, a model with more KV per token, "
+                  "a smaller device)"]
+    return {"contiguous_fits": fits, "peak_running": peaks,
+            "throughput_over_contiguous": ratios, "memory_binds": binds, "text": "\n".join(lines)}
 
 
 def _figure(figsize: tuple[float, float]):

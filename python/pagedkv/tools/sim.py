@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pagedkv import checks
 from pagedkv.blocks.plan import PHASES
 from pagedkv.serving.engine import ServingLoop
 from pagedkv.serving.scheduler import EngineConfig, Request, SamplingParams, StepShape
@@ -134,10 +135,8 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> list[float]:
     """Arrival times (seconds) of a Poisson process of ``rate`` requests/s (inf: all at 0)."""
-    if math.isinf(rate):
+    if checks.number(rate, "rate", above=0, at_most=math.inf) == math.inf:
         return [0.0] * num_requests
-    if not rate > 0:
-        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
     gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, num_requests)
     return np.cumsum(gaps).tolist()
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedkv import checks
+
 __all__ = ["TRACES", "Request", "load_jsonl", "synthetic_trace", "trace_stats"]
 
 TRACES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
@@ -92,8 +94,7 @@ def synthetic_trace(
     """A seeded synthetic trace (``"sharegpt"`` or ``"alpaca"``; see the module docstring)."""
     if name not in TRACES:
         raise ValueError(f"unknown trace {name!r}; built-in traces: {', '.join(TRACES)}")
-    if not 0.0 <= system_share <= 1.0:
-        raise ValueError(f"system_share must be in [0, 1], got {system_share}")
+    checks.number(system_share, "system_share", at_least=0, at_most=1)
     (p_med, p_sig), (o_med, o_sig) = TRACES[name]
     rng = np.random.default_rng(seed)
     system_lens = rng.integers(system_len // 2, 3 * system_len // 2 + 1, num_system_prompts)
@@ -142,9 +143,7 @@ def _request(index: int, row: dict, prefix_ids: dict[Hashable, int]) -> Request:
         raise ValueError(f"prompt_len and output_len must be >= 1, got {prompt_len}, {output_len}")
     arrival = row.get("arrival_time")
     if arrival is not None:
-        arrival = float(arrival)
-        if not 0 <= arrival < float("inf"):
-            raise ValueError(f"arrival_time must be a number of seconds >= 0, got {arrival}")
+        arrival = checks.number(arrival, "arrival_time", at_least=0)
     key = row.get("prefix_id")
     if key is None or prompt is not None:
         return Request(index, prompt_len, output_len, prompt=prompt, arrival_time=arrival)
