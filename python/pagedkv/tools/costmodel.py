@@ -76,7 +76,7 @@ class DevicePreset:
       the batch tensors, sampling, launches not hidden by CUDA graphs) in a Python serving loop;
       it dominates only small decode batches, where a model's weights take a few ms to read.
 
-    The SM figures feed the SASS model of the kernels (``pagedkv.tools.gpu_model``):
+    The SM figures feed the SASS model of the kernels (``bench.sass.model`` in a checkout):
     ``sm_count`` multiprocessors at ``sm_clock`` Hz (boost), ``schedulers_per_sm`` warp
     schedulers each issuing one warp instruction per clock, ``fp32_lanes_per_sm`` FP32 results
     per clock, ``sass_arch`` the SASS the device runs. ``issue_efficiency`` 0.8 is the share of
