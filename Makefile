@@ -10,6 +10,9 @@
 #                          ASan + UBSan), nvcc + ptxas report
 #   make sanitize          the simt suites on an ASan + UBSan build of pagedkv._simt, and the
 #                          emulator self-tests under TSan (what CI runs after `make test`)
+#   make lint              ruff over python, tests, bench, docs and setup.py
+#   make docs              the documentation site (docs/*.md and the API reference from the
+#                          docstrings) into build/docs/index.html; warnings are errors
 
 TORCH ?= 2.14.1
 PYTHON ?= python3
@@ -22,7 +25,8 @@ ifeq ($(TORCH),2.13.0)
 export PAGEDKV_CUDA ?= 0
 endif
 
-.PHONY: setup build test demo bench lint ctest sanitize sanitize-address sanitize-thread clean
+.PHONY: setup build test demo bench lint docs ctest sanitize sanitize-address sanitize-thread \
+	clean
 
 setup: $(STAMP)
 
@@ -54,7 +58,17 @@ bench: build
 	$(PY) -m bench
 
 lint: setup
-	$(VENV)/bin/ruff check python tests bench setup.py
+	$(VENV)/bin/ruff check python tests bench docs setup.py
+
+DOCS_STAMP := $(VENV)/.pagedkv-docs
+
+$(DOCS_STAMP): requirements-docs.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements-docs.txt
+	touch $@
+
+# autodoc imports the package, so the modules are built first.
+docs: build $(DOCS_STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs build/docs
 
 ctest: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake -S . -B build/cmake -G Ninja \

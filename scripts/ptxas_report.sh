@@ -1,35 +1,52 @@
 #!/usr/bin/env bash
 # Resource report of the CUDA kernels: registers, shared memory and spills per kernel, from
-# nvcc -Xptxas -v, for sm_80 and sm_90. No GPU needed.
+# ptxas -v, for sm_80 and sm_90. No GPU needed.
 #
-#   scripts/ptxas_report.sh [file.cu ...]     (default: csrc/cuda/attention_*.cu)
+#   scripts/ptxas_report.sh [file.cu ...]   compile each file (default: csrc/cuda/attention_*.cu)
+#                                           once for both archs and report
+#   scripts/ptxas_report.sh --logs DIR      report from the ptxas logs that the CMake build
+#                                           (scripts/ptxas_log.sh) left under DIR: no compile
 #
 # Exits non-zero when a paged_attention kernel spills on sm_90, or a tensor-core one
-# (paged_attention_tc_kernel) on any arch.
+# (paged_attention_tc_kernel) on any arch, or when a unit's log is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-nvcc}
 ARCHS=${ARCHS:-"80 90"}
-files=("$@")
-[ ${#files[@]} -gt 0 ] || files=(csrc/cuda/attention_*.cu)
+units=(csrc/cuda/attention_*.cu)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-for arch in $ARCHS; do
+if [ "${1:-}" = --logs ]; then
+  dir=${2:?usage: scripts/ptxas_report.sh --logs DIR}
+  for f in "${units[@]}"; do
+    found=("$dir"/CMakeFiles/*/"$f".o.ptxas.log)
+    [ -f "${found[0]}" ] || { echo "ptxas_report: no ptxas log of $f under $dir" >&2; exit 1; }
+    cp "${found[0]}" "$out/$(basename "$f" .cu).log"
+  done
+else
+  files=("$@")
+  [ ${#files[@]} -gt 0 ] || files=("${units[@]}")
+  gencode=()
+  for arch in $ARCHS; do gencode+=("-gencode=arch=compute_$arch,code=sm_$arch"); done
   for f in "${files[@]}"; do
-    log="$out/$(basename "$f" .cu).sm_$arch.log"
-    "$NVCC" -std=c++20 -O3 --expt-relaxed-constexpr -Icsrc -arch="sm_$arch" -c "$f" \
+    log="$out/$(basename "$f" .cu).log"
+    "$NVCC" -std=c++20 -O3 --expt-relaxed-constexpr -Icsrc "${gencode[@]}" -c "$f" \
       -o "$out/obj.o" -Xptxas -v >"$log" 2>&1 || { cat "$log"; exit 1; }
   done
-done
+fi
 python3 - "$out" <<'PY'
 import glob, re, subprocess, sys
 
 rows = []
 for log in sorted(glob.glob(sys.argv[1] + "/*.log")):
-    arch = log.rsplit(".", 2)[-2]
-    name = None
+    unit_rows = []
+    arch = name = None
     spill = (0, 0)
     for line in open(log):
+        m = re.search(r"Compiling entry function '\S+' for '(sm_\d+)'", line)
+        if m:
+            arch = m.group(1)
+            continue
         m = re.search(r"Function properties for (\S+)", line)
         if m:
             name = m.group(1)
@@ -38,11 +55,13 @@ for log in sorted(glob.glob(sys.argv[1] + "/*.log")):
         if m and name:
             spill = (int(m.group(1)), int(m.group(2)))
             continue
-        m = re.search(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?$", line.strip())
+        m = re.search(r"Used (\d+) registers", line)
         if m and name:
             smem = re.search(r"(\d+) bytes smem", line)
-            rows.append([arch, name, int(m.group(1)), int(smem.group(1)) if smem else 0, *spill])
+            unit_rows.append([arch, name, int(m.group(1)), int(smem.group(1)) if smem else 0,
+                              *spill])
             name, spill = None, (0, 0)
+    rows += sorted(unit_rows, key=lambda r: r[0])  # by arch, in ptxas's order within one
 names = subprocess.run(["c++filt"], input="\n".join(r[1] for r in rows), text=True,
                        capture_output=True).stdout.split("\n")
 def short(n):

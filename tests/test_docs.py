@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,10 @@ PATH = re.compile(r"(?<![\w./-])((?:csrc|python|pagedkv|tests|bench|docs|scripts
 DOTTED = re.compile(r"(?<![\w.])pagedkv(?:\.\w+)+")
 # Outputs named by the docs that a run writes, not files of the repository.
 OUTPUTS = {"bench/results/*.json"}
+# The API reference (`make docs`): a page per layer, pagedkv.rst for what pagedkv exports.
+API = ROOT / "docs" / "api"
+AUTOMODULE = re.compile(r"^\.\. automodule:: ([\w.]+)", re.M)
+AUTO_OBJECT = re.compile(r"^\.\. auto(?:function|class|exception|data):: (\w+)", re.M)
 
 
 def paths_in(text: str) -> list[str]:
@@ -108,6 +113,23 @@ def test_simt_doc_names_every_file_of_the_emulator():
              if p.is_file() and p.suffix in {".h", ".cpp", ".py", ".md"}}
     assert len(files) >= 20 and "csrc/simt/fiber.cpp" in files
     assert not files - named, f"docs/simt.md does not name {sorted(files - named)}"
+
+
+def test_the_api_reference_has_every_export_and_package():
+    """Every name pagedkv exports has its entry on the pagedkv page (each subpackage's page
+    documents its modules' __all__ through automodule), and every subpackage has a page."""
+    import pagedkv
+
+    named = set(AUTO_OBJECT.findall((API / "pagedkv.rst").read_text()))
+    exported = {n for n in pagedkv.__all__ if not isinstance(getattr(pagedkv, n), types.ModuleType)}
+    assert len(exported) >= 20
+    assert named == exported, (
+        f"missing: {sorted(exported - named)}, not exported: {sorted(named - exported)}")
+    modules = {m for page in API.glob("*.rst") for m in AUTOMODULE.findall(page.read_text())}
+    packages = {"pagedkv." + str(p.parent.relative_to(PACKAGE)).replace("/", ".")
+                for p in PACKAGE.glob("*/__init__.py")}
+    assert len(packages) >= 5 and not packages - modules, (
+        f"subpackages without an API page: {sorted(packages - modules)}")
 
 
 def test_the_checks_catch_what_they_should():

@@ -288,8 +288,8 @@ class LinearModel:
     """``c0 + c_seq num_seqs + c_query query_tokens + c_attended attended + c_kv kv_read +
     c_swap swap_blocks`` seconds, every coefficient >= 0.
 
-    ``fit`` sets ``fit_error_median`` / ``fit_error_p90``: |predicted - measured| / measured over
-    the rows it was fitted to (None for a model given by hand)."""
+    ``fit`` sets ``fit_error_median`` / ``fit_error_p90``: ``|predicted - measured| / measured``
+    over the rows it was fitted to (None for a model given by hand)."""
 
     c0: float = 0.0
     c_seq: float = 0.0

@@ -9,10 +9,12 @@ decisions, made by the same code.
 
 Strategies share one KV budget of token slots:
 
+================  ============================================================================
 ``contiguous``    one block of ``max_len`` slots per request (contiguous max-length reservation,
                   what a server that does not know the output length must do), no sharing;
 ``paged``         blocks of ``block_size`` taken as tokens arrive;
 ``paged+prefix``  the same with prefix caching: cached full prompt blocks are shared.
+================  ============================================================================
 
 Requests arrive as a seeded Poisson process at a rate (requests per second) or at the trace's
 times. Per strategy: throughput (requests/s, output tokens/s), TTFT, TPOT and normalized latency
