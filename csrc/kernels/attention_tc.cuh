@@ -430,16 +430,16 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   auto write_pair = [&](int64_t token, int head, int d, float x0, float x1, float lse) {
     if (plan.num_parts == 1) {
       T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
-      out[d] = from_float<T>(x0 * v_scale);
-      out[d + 1] = from_float<T>(x1 * v_scale);
+      store(out + d, from_float<T>(x0 * v_scale), "out");
+      store(out + d + 1, from_float<T>(x1 * v_scale), "out");
       if (d == 0 && p.lse_out != nullptr) {
-        p.lse_out[token * p.lse_token_stride + head * p.lse_head_stride] = lse;
+        store(p.lse_out + token * p.lse_token_stride + head * p.lse_head_stride, lse, "lse");
       }
     } else {
       const int64_t slot = (token * p.num_heads + head) * plan.num_parts + part;
-      plan.tmp_out[slot * head_size + d] = x0 * v_scale;
-      plan.tmp_out[slot * head_size + d + 1] = x1 * v_scale;
-      if (d == 0) plan.tmp_lse[slot] = lse;
+      store(plan.tmp_out + slot * head_size + d, x0 * v_scale, "workspace");
+      store(plan.tmp_out + slot * head_size + d + 1, x1 * v_scale, "workspace");
+      if (d == 0) store(plan.tmp_lse + slot, lse, "workspace");
     }
   };
 
