@@ -32,6 +32,7 @@
 #include "kernels/attention_chunks.cuh"
 #include "kernels/attention_merge.cuh"
 #include "kernels/attention_tc_launch.h"
+#include "kernels/attention_tile.cuh"
 #include "kernels/dtypes.cuh"
 #include "kernels/memory.cuh"
 #include "kernels/tensor_core.cuh"
@@ -42,9 +43,13 @@ namespace pagedkv {
 namespace PAGEDKV_KERNEL_NS {
 namespace attn_tc {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr unsigned kFullMask = 0xffffffffu;
+using attn::AttentionTile;
+using attn::kFullMask;
+using attn::kLn2;
+using attn::kLog2e;
+using attn::KVRows;
+using attn::OutRow;
+using attn::safe_max;
 
 template <int HEAD, int WM, int WN, int BN>
 struct TcConfig {
@@ -65,8 +70,6 @@ struct TcConfig {
   static_assert(kThreads % kChunks == 0 && BN % kRowsPerPass == 0, "copy passes");
   static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "padded head size");
 };
-
-__device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f : m; }
 
 // Two floats rounded to T, packed as an MMA operand register (lower half = lower column).
 template <typename T>
@@ -128,31 +131,10 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   T* k_smem = q_smem + Cfg::kQElems;       // [2][BN][kStride]
   T* v_smem = k_smem + 2 * Cfg::kKVElems;  // [2][BN][kStride]
 
-  const int tile = blockIdx.x % plan.row_tiles;
-  const int part = blockIdx.x / plan.row_tiles;
-  const int seq = blockIdx.y;
-  const int kv_head = blockIdx.z;
-  const int group = p.num_heads / p.num_kv_heads;
-  int q_begin = seq, q_len = 1;
-  if (p.query_start_loc != nullptr) {
-    q_begin = p.query_start_loc[seq];
-    q_len = p.query_start_loc[seq + 1] - q_begin;
-  }
-  const int seq_len = p.seq_lens[seq];
-  const int row0 = tile * Cfg::kBM;
-  const int rows = min(Cfg::kBM, q_len * group - row0);
+  const AttentionTile tile(p, plan, Cfg::kBM);
+  const int rows = tile.rows;
   if (rows <= 0) return;  // the whole block: no barrier skipped
-
-  const int first_pos = seq_len - q_len + row0 / group;
-  const int last_pos = seq_len - q_len + (row0 + rows - 1) / group;
-  const int kv_end = min(last_pos + 1, seq_len);
-  const int window = p.sliding_window;
-  const int window_begin = window > 0 ? max(0, first_pos - window + 1) : 0;
-  const int part_begin = window_begin + part * plan.part_tokens;
-  // The last partition runs to the end of the context, whatever the plan's max_seq_len was (a
-  // CUDA graph replays a plan captured for shorter sequences: no key may be dropped).
-  const int part_end =
-      part == plan.num_parts - 1 ? kv_end : min(part_begin + plan.part_tokens, kv_end);
+  const int part_end = tile.part_end, window = tile.window, kv_head = tile.kv_head;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
@@ -175,9 +157,8 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       const int r = i / Cfg::kChunks, c = i % Cfg::kChunks;
       uint4 x = make_uint4(0, 0, 0, 0);
       if (r < rows && c * 8 < head_size) {
-        const int rr = row0 + r;
-        const T* src = query + static_cast<int64_t>(q_begin + rr / group) * p.q_token_stride +
-                       static_cast<int64_t>(kv_head * group + rr % group) * p.q_head_stride + c * 8;
+        const T* src = query + static_cast<int64_t>(tile.token(r)) * p.q_token_stride +
+                       static_cast<int64_t>(tile.head(r)) * p.q_head_stride + c * 8;
         if (q_vec) {
           x = *reinterpret_cast<const uint4*>(src);
         } else {
@@ -201,10 +182,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   const int my_chunk = tid % Cfg::kChunks;
   const int my_row = tid / Cfg::kChunks;
   const bool chunk_in = my_chunk * 8 < head_size;
-  const PagedKV<const C> k_cache = p.key_cache.as<const C>().head(kv_head, my_chunk * 8);
-  const PagedKV<const C> v_cache = p.value_cache.as<const C>().head(kv_head, my_chunk * 8);
-  const int* table = p.block_tables + static_cast<int64_t>(seq) * p.block_table_stride;
-  const attn::FastDiv block_div(p.key_cache.block_size);
+  const KVRows<C> kv(p, tile.seq, kv_head, my_chunk * 8);
   uint2 k_next[kPrefetch ? kPasses : 1], v_next[kPrefetch ? kPasses : 1];
   auto fetch = [&](int key0) {
 #pragma unroll
@@ -212,11 +190,10 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       const int t = key0 + my_row + pass * Cfg::kRowsPerPass;
       k_next[pass] = v_next[pass] = make_uint2(0, 0);
       if (t < part_end && chunk_in) {
-        int blk, off;
-        block_div.divmod(t, blk, off);
-        const int64_t phys = load_ro(table + blk, "table");
-        k_next[pass] = load_ro(reinterpret_cast<const uint2*>(k_cache.row({phys, off})), "kv");
-        v_next[pass] = load_ro(reinterpret_cast<const uint2*>(v_cache.row({phys, off})), "kv");
+        uint32_t blk, off;
+        kv.locate(t, blk, off);
+        k_next[pass] = load_ro(reinterpret_cast<const uint2*>(kv.k_row(kv.k_offset(blk, off))), "kv");
+        v_next[pass] = load_ro(reinterpret_cast<const uint2*>(kv.v_row(kv.v_offset(blk, off))), "kv");
       }
     }
   };
@@ -239,11 +216,10 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       const int t = key0 + my_row + pass * Cfg::kRowsPerPass;
       uint2 kr = make_uint2(0, 0), vr = make_uint2(0, 0);
       if (t < part_end && chunk_in) {
-        int blk, off;
-        block_div.divmod(t, blk, off);
-        const int64_t phys = load_ro(table + blk, "table");
-        kr = load_ro(reinterpret_cast<const uint2*>(k_cache.row({phys, off})), "kv");
-        vr = load_ro(reinterpret_cast<const uint2*>(v_cache.row({phys, off})), "kv");
+        uint32_t blk, off;
+        kv.locate(t, blk, off);
+        kr = load_ro(reinterpret_cast<const uint2*>(kv.k_row(kv.k_offset(blk, off))), "kv");
+        vr = load_ro(reinterpret_cast<const uint2*>(kv.v_row(kv.v_offset(blk, off))), "kv");
       }
       *reinterpret_cast<uint4*>(kd + pass * Cfg::kRowsPerPass * kStride) = dequantize8<T, C>(kr);
       *reinterpret_cast<uint4*>(vd + pass * Cfg::kRowsPerPass * kStride) = dequantize8<T, C>(vr);
@@ -255,15 +231,14 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int t = key0 + my_row + pass * Cfg::kRowsPerPass;
-      const C* ks = k_cache.data;
-      const C* vs = v_cache.data;
+      const C* ks = kv.k_row(0);
+      const C* vs = kv.v_row(0);
       int bytes = 0;
       if (t < part_end && chunk_in) {
-        int blk, off;
-        block_div.divmod(t, blk, off);
-        const int64_t phys = load_ro(table + blk, "table");
-        ks = k_cache.row({phys, off});
-        vs = v_cache.row({phys, off});
+        uint32_t blk, off;
+        kv.locate(t, blk, off);
+        ks = kv.k_row(kv.k_offset(blk, off));
+        vs = kv.v_row(kv.v_offset(blk, off));
         bytes = 16;
       }
       note_read(ks, bytes, "kv");
@@ -274,18 +249,15 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   };
 
   // This thread's two rows of the warp's 16 (lane / 4 and lane / 4 + 8): query position (-1:
-  // no row, everything masked), ALiBi slope, output token and head.
-  int pos[2], out_token[2], out_head[2];
+  // no row, everything masked) and ALiBi slope.
+  int pos[2];
   float slope[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp_m * 16 + lane / 4 + 8 * h;
-    const int rr = row0 + r;
     const bool in = r < rows;
-    pos[h] = in ? seq_len - q_len + rr / group : -1;
-    out_token[h] = q_begin + rr / group;
-    out_head[h] = kv_head * group + rr % group;
-    slope[h] = in && p.alibi_slopes != nullptr ? p.alibi_slopes[out_head[h]] : 0.f;
+    pos[h] = in ? tile.pos(r) : -1;
+    slope[h] = in && p.alibi_slopes != nullptr ? p.alibi_slopes[tile.head(r)] : 0.f;
   }
   const bool alibi = p.alibi_slopes != nullptr;
   const float soft_cap = p.soft_cap;
@@ -299,6 +271,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
 #pragma unroll
   for (int j = 0; j < HEAD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 
+  const int part_begin = tile.part_begin;
   const int n_tiles = part_end > part_begin ? (part_end - part_begin + BN - 1) / BN : 0;
   if (n_tiles > 0) {
     if constexpr (kPrefetch) {
@@ -426,37 +399,21 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
     lr[h] += __shfl_xor_sync(kFullMask, lr[h], 2);
   }
 
-  // Row (token, head) gets o[d], o[d + 1] (normalized) and its lse.
-  auto write_pair = [&](int64_t token, int head, int d, float x0, float x1, float lse) {
-    if (plan.num_parts == 1) {
-      T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
-      store(out + d, from_float<T>(x0 * v_scale), "out");
-      store(out + d + 1, from_float<T>(x1 * v_scale), "out");
-      if (d == 0 && p.lse_out != nullptr) {
-        store(p.lse_out + token * p.lse_token_stride + head * p.lse_head_stride, lse, "lse");
-      }
-    } else {
-      const int64_t slot = (token * p.num_heads + head) * plan.num_parts + part;
-      store(plan.tmp_out + slot * head_size + d, x0 * v_scale, "workspace");
-      store(plan.tmp_out + slot * head_size + d + 1, x1 * v_scale, "workspace");
-      if (d == 0) store(plan.tmp_lse + slot, lse, "workspace");
-    }
-  };
-
   if constexpr (WN == 1) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = warp_m * 16 + lane / 4 + 8 * h;
       if (r < rows) {
         const float inv = lr[h] > 0.f ? __frcp_rn(lr[h]) : 0.f;
-        const float lse = l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
+        const OutRow<T> dst(p, plan, tile.token(r), tile.head(r), tile.part);
 #pragma unroll
         for (int d = 0; d < HEAD / 8; ++d) {
           if (d < d_tiles) {
-            write_pair(out_token[h], out_head[h], d * 8 + 2 * (lane % 4), o[d][2 * h] * inv,
-                       o[d][2 * h + 1] * inv, lse);
+            dst.put(d * 8 + 2 * (lane % 4), o[d][2 * h] * inv * v_scale);
+            dst.put(d * 8 + 2 * (lane % 4) + 1, o[d][2 * h + 1] * inv * v_scale);
           }
         }
+        if (lane % 4 == 0) dst.put_lse(l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY);
       }
     }
   } else {
@@ -499,10 +456,11 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
         sum += wt * l_smem[w * 16 + r];
         sum_r += wt * lr_smem[w * 16 + r];
       }
-      const float inv = sum_r > 0.f ? __frcp_rn(sum_r) : 0.f;
-      const float lse = sum > 0.f ? (m_all + log2f(sum)) * kLn2 : -INFINITY;
-      const int rr = row0 + r;
-      write_pair(q_begin + rr / group, kv_head * group + rr % group, d, o0 * inv, o1 * inv, lse);
+      const float inv = (sum_r > 0.f ? __frcp_rn(sum_r) : 0.f) * v_scale;
+      const OutRow<T> dst(p, plan, tile.token(r), tile.head(r), tile.part);
+      dst.put(d, o0 * inv);
+      dst.put(d + 1, o1 * inv);
+      if (d == 0) dst.put_lse(sum > 0.f ? (m_all + log2f(sum)) * kLn2 : -INFINITY);
     }
   }
 #endif
@@ -512,21 +470,8 @@ template <typename T, typename C, int HEAD, int WM, int WN, int BN>
 cudaError_t launch_paged_attention_tc(const PagedAttentionParams& p, const AttentionPlan& plan,
                                       cudaStream_t stream) {
   using Cfg = TcConfig<HEAD, WM, WN, BN>;
-  auto kernel = paged_attention_tc_kernel<T, C, HEAD, WM, WN, BN>;
-  if (Cfg::kBytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kBytes));
-    if (err != cudaSuccess) return err;
-  }
-  const dim3 grid(static_cast<unsigned>(plan.row_tiles * plan.num_parts),
-                  static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_kv_heads));
-  PAGEDKV_LAUNCH(kernel, grid, Cfg::kThreads, Cfg::kBytes, stream)(p, plan);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || plan.num_parts == 1) return err;
-  const dim3 reduce_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
-  auto reduce = attn::paged_attention_reduce_kernel<T>;
-  PAGEDKV_LAUNCH(reduce, reduce_grid, attn::kMergeThreads, 0, stream)(p, plan);
-  return cudaGetLastError();
+  return attn::launch_attention<T>(paged_attention_tc_kernel<T, C, HEAD, WM, WN, BN>, Cfg::kThreads,
+                                   Cfg::kBytes, p, plan, stream);
 }
 
 // Head size and configuration (from the rows per kv head, as the plan's row tiles) to template
