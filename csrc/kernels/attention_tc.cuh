@@ -9,17 +9,18 @@
 // of BN keys (BN / WN keys each) and merge their softmax states through shared memory at the end.
 // Configurations: "prefill" WM = 4, WN = 1; "decode" WM = 1, WN = 4 (2 for head 256).
 //
-// Per key tile: K and V rows are gathered through the block table with cp.async (16 bytes per
-// thread and copy; rows past the partition and dims past head_size are zero-filled) into a
-// double buffer in shared memory, the next tile's copies in flight while this one is computed.
-// S = Q K^T from ldmatrix fragments (Q and K row-major, rows padded by 16 bytes so that the 8 rows
-// of an 8x8 matrix fall in different banks); scale, soft cap, ALiBi and the causal / window masks
-// on the accumulator fragments; online softmax per row (a row's values live in the 4 lanes of a
-// quad: max by two shuffles, the sum kept per lane until the end); P rounded to the query dtype
+// Per key tile: K and V rows are copied from the paged caches into a double buffer in shared
+// memory, the next tile's copies in flight while this one is computed (attention_tc_tile.cuh).
+// S = Q K^T from ldmatrix fragments (Q's in registers for heads up to 128; rows padded by 16
+// bytes so that the 8 rows of an 8x8 matrix fall in different banks); online softmax per row (a
+// row's values live in the 4 lanes of a quad: max by two shuffles); P rounded to the query dtype
 // and used as the A operand of O += P V straight from the S fragments (V through ldmatrix.trans).
-// Two row sums: of P in fp32 for the lse (as exact as the CUDA-core kernel's) and of P as rounded
-// for the MMA to normalize the output, which is then a convex combination of the V rows with
-// the weights the MMA used.
+// Two loops: the key tiles every row of the tile sees whole, with soft cap and ALiBi off, run an
+// unmasked body (the scale inside the exponent, no per-score code); the others a masked body
+// (scale, soft cap, ALiBi, causal / window / partition masks per score). Two row sums: of P in
+// fp32 for the lse (as exact as the CUDA-core kernel's) and of P as rounded, by one more MMA (P
+// x ones), to normalize the output, which is then a convex combination of the V rows with the
+// weights the MMA used.
 //
 // Split-K: with several partitions each block writes its normalized partial output and lse to
 // the workspace and paged_attention_reduce_kernel (attention_merge.cuh) merges them, as for the
