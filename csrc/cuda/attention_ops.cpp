@@ -1,6 +1,6 @@
 // CUDA backend of the attention ops (their checks: csrc/ops/): device guard, current stream,
-// kernel choice (CUDA-core or tensor-core: glue/attention_kernel.h), split-K plan from host
-// integers and the device's SM count and compute capability, workspace from the caching
+// the kernel and its split-K plan from host integers and the device's SM count and compute
+// capability (plan_attention, under PAGEDKV_ATTENTION_KERNEL), workspace from the caching
 // allocator, launch. No host sync and no host read of device data, so both ops work under CUDA
 // graph capture.
 #include <c10/cuda/CUDAException.h>
@@ -12,7 +12,8 @@
 #include <atomic>
 
 #include "glue/attention_kernel.h"
-#include "kernels/attention_launch.h"
+#include "glue/attention_plan.h"
+#include "kernels/attention_tc_launch.h"
 #include "ops/merge_attn_states.h"
 #include "ops/paged_attention.h"
 
@@ -42,14 +43,12 @@ int sm_major(c10::DeviceIndex device) {  // compute capability major
 void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   check_attention_kernel_exists(p, "cuda");
   const c10::cuda::CUDAGuard guard(query.device());
-  at::Tensor workspace;
   const c10::DeviceIndex device = query.device().index();
-  const AttentionLaunch run = attention_launch(p, query, sm_count(device), sm_major(device),
-                                               kAttnMinPartTokens, workspace);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(run.kernel == AttentionKernel::kTensorCore
-                     ? cuda::paged_attention_tc(p, run.plan, stream)
-                     : cuda::paged_attention(p, run.plan, stream));
+  AttentionLaunch run =
+      plan_attention(p, sm_count(device), sm_major(device), attention_kernel_choice());
+  at::Tensor workspace;  // alive until the launch is enqueued
+  allocate_workspace(p, run.plan, query, workspace);
+  C10_CUDA_CHECK(cuda::paged_attention(p, run, c10::cuda::getCurrentCUDAStream()));
 }
 
 void merge_attn_states(const MergeAttnParams& p, const at::Tensor& out) {

@@ -1,10 +1,15 @@
-// Runtime dispatch of the attention launchers declared in attention_launch.h. The per-dtype kernel
-// instantiations live in their own translation units (PAGEDKV_INSTANTIATE_ATTENTION), so that two
-// cores compile them in parallel; this file only declares them.
+// Runtime dispatch of the attention launchers (paged_attention: attention_tc_launch.h;
+// merge_attn_states: attention_launch.h) to the kernel and query dtype. The per-dtype kernel
+// instantiations live in their own translation units (PAGEDKV_INSTANTIATE_ATTENTION,
+// PAGEDKV_INSTANTIATE_ATTENTION_TC), so that two cores compile them in parallel; this file only
+// declares them.
 #pragma once
 #include "kernels/compat.cuh"
 #include "kernels/attention_launch.h"
+#include "kernels/attention_tc_launch.h"
 #include "kernels/dtypes.cuh"
+
+#include <type_traits>
 
 namespace pagedkv {
 namespace PAGEDKV_KERNEL_NS {
@@ -17,14 +22,35 @@ template <typename T>
 cudaError_t launch_merge_attn_states(const MergeAttnParams& p, cudaStream_t stream);
 
 }  // namespace attn
+namespace attn_tc {
 
-cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan,
+template <typename T>
+cudaError_t paged_attention_tc_typed(const PagedAttentionParams& p, const AttentionPlan& plan,
+                                     cudaStream_t stream);
+
+}  // namespace attn_tc
+
+// The launch's kernel for query dtype T (float32 queries run on the CUDA-core kernel only).
+template <typename T>
+cudaError_t paged_attention_of(const PagedAttentionParams& p, const AttentionLaunch& launch,
+                               cudaStream_t stream) {
+  if (launch.kernel == AttentionKernel::kCudaCore) {
+    return attn::paged_attention_typed<T>(p, launch.plan, stream);
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    return cudaErrorInvalidValue;
+  } else {
+    return attn_tc::paged_attention_tc_typed<T>(p, launch.plan, stream);
+  }
+}
+
+cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionLaunch& launch,
                             cudaStream_t stream) {
   if (p.num_tokens == 0 || p.num_seqs == 0) return cudaSuccess;
   switch (p.dtype) {
-    case DType::kFloat32: return attn::paged_attention_typed<float>(p, plan, stream);
-    case DType::kFloat16: return attn::paged_attention_typed<__half>(p, plan, stream);
-    case DType::kBFloat16: return attn::paged_attention_typed<__nv_bfloat16>(p, plan, stream);
+    case DType::kFloat32: return paged_attention_of<float>(p, launch, stream);
+    case DType::kFloat16: return paged_attention_of<__half>(p, launch, stream);
+    case DType::kBFloat16: return paged_attention_of<__nv_bfloat16>(p, launch, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -21,6 +21,7 @@
 #include "kernels/attention_chunks.cuh"
 #include "kernels/attention_launch.h"
 #include "kernels/attention_merge.cuh"
+#include "kernels/attention_tile.cuh"
 #include "kernels/dtypes.cuh"
 
 namespace pagedkv {
@@ -30,9 +31,6 @@ namespace attn {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = kAttnRowsPerBlock;  // (query token, query head) rows per block
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr unsigned kFullMask = 0xffffffffu;
 
 // How a warp covers token rows of up to HEAD dims (HEAD = 64, 128 or 256: every head size is
 // run by the smallest of these that holds it): kLanes lanes per token, one 8-element chunk each
@@ -55,10 +53,7 @@ struct TokensPerGroup {
   static constexpr int kMinBlocksPerSm = 3;
 };
 
-
 // Online softmax state of one row, log2 domain: m = running max, l = running sum.
-__device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f : m; }
-
 // Merges (m_o, l_o, acc_o) into (m, l, acc); returns the two rescale factors.
 __device__ __forceinline__ void merge_scales(float& m, float& l, float m_o, float l_o, float& a,
                                              float& b) {
@@ -96,30 +91,11 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
   __shared__ int row_token[kRows], row_head[kRows], row_end[kRows];
   __shared__ float row_slope[kRows];
 
-  const int tile = blockIdx.x % plan.row_tiles;  // tiles of one partition run side by side
-  const int part = blockIdx.x / plan.row_tiles;
-  const int seq = blockIdx.y;
-  const int kv_head = blockIdx.z;
-  const int group_size = p.num_heads / p.num_kv_heads;
-  int q_begin = seq, q_len = 1;
-  if (p.query_start_loc != nullptr) {
-    q_begin = p.query_start_loc[seq];
-    q_len = p.query_start_loc[seq + 1] - q_begin;
-  }
-  const int seq_len = p.seq_lens[seq];
-  const int row0 = tile * kRows;
-  const int rows = min(kRows, q_len * group_size - row0);
+  const AttentionTile tile(p, plan, kRows);
+  const int rows = tile.rows;
   if (rows <= 0) return;  // the whole block: no barrier skipped
-
-  const int first_pos = seq_len - q_len + row0 / group_size;
-  const int last_pos = seq_len - q_len + (row0 + rows - 1) / group_size;
-  const int kv_end = min(last_pos + 1, seq_len);
-  const int window_begin = p.sliding_window > 0 ? max(0, first_pos - p.sliding_window + 1) : 0;
-  const int part_begin = window_begin + part * plan.part_tokens;
-  // The last partition runs to the end of the context, whatever the plan's max_seq_len was (a
-  // CUDA graph replays a plan captured for shorter sequences: no key may be dropped).
-  const int part_end =
-      part == plan.num_parts - 1 ? kv_end : min(part_begin + plan.part_tokens, kv_end);
+  const int part_begin = tile.part_begin, part_end = tile.part_end;
+  const int kv_head = tile.kv_head, group_size = tile.group;
 
   const int tid = threadIdx.x;
   const int head_size = p.head_size;
@@ -130,19 +106,18 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     v_scale = *p.v_scale;
   }
   if (tid < kRows) {
-    const int r = row0 + tid;
-    row_token[tid] = q_begin + r / group_size;
-    row_head[tid] = kv_head * group_size + r % group_size;
-    row_end[tid] = tid < rows ? seq_len - q_len + r / group_size + 1 : 0;
+    row_token[tid] = tile.token(tid);
+    row_head[tid] = tile.head(tid);
+    row_end[tid] = tid < rows ? tile.pos(tid) + 1 : 0;
     row_slope[tid] = p.alibi_slopes != nullptr && tid < rows ? p.alibi_slopes[row_head[tid]] : 0.f;
   }
   for (int i = tid; i < kRows * HEAD; i += kThreads) {
     const int r = i / HEAD, d = i % HEAD;
     float x = 0.f;
     if (r < rows && d < head_size) {
-      const int rr = row0 + r;
-      const T* q = static_cast<const T*>(p.query) + (q_begin + rr / group_size) * p.q_token_stride +
-                   (kv_head * group_size + rr % group_size) * p.q_head_stride;
+      const T* q = static_cast<const T*>(p.query) +
+                   static_cast<int64_t>(tile.token(r)) * p.q_token_stride +
+                   static_cast<int64_t>(tile.head(r)) * p.q_head_stride;
       x = to_float(load(q + d, "query")) * qk_scale;
     }
     q_smem[i] = x;
@@ -171,22 +146,11 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     for (int d = 0; d < kChunkElems; ++d) acc[r][d] = 0.f;
   }
 
-  // The caches seen from this kv head and this lane's chunk: rows are then one offset away.
-  const PagedKV<const C> k_cache = p.key_cache.as<const C>().head(kv_head, dim0);
-  const PagedKV<const C> v_cache = p.value_cache.as<const C>().head(kv_head, dim0);
-  const int* table = p.block_tables + seq * p.block_table_stride;
-  const FastDiv block_div(p.key_cache.block_size);
+  // The caches seen from this kv head and this lane's chunk: rows are then one offset away,
+  // computed once per token for K and V when their strides agree.
+  const KVRows<C> kv(p, tile.seq, kv_head, dim0);
   const bool vec = plan.vectorized;
-  // Row offsets: the page's in 64 bits from one 32 x 32-bit multiply, the token's in the page in
-  // 32 bits (the glue checks that the strides allow it), computed once per token for K and V
-  // when their strides agree (HND, NHD, combined).
-  const char* const k_rows = reinterpret_cast<const char*>(k_cache.data);
-  const char* const v_rows = reinterpret_cast<const char*>(v_cache.data);
-  const uint32_t k_block = static_cast<uint32_t>(p.key_cache.strides.block * sizeof(C));
-  const uint32_t k_token = static_cast<uint32_t>(p.key_cache.strides.token * sizeof(C));
-  const uint32_t v_block = static_cast<uint32_t>(p.value_cache.strides.block * sizeof(C));
-  const uint32_t v_token = static_cast<uint32_t>(p.value_cache.strides.token * sizeof(C));
-  const bool kv_same = k_block == v_block && k_token == v_token;
+  const bool kv_same = kv.same_strides();
   // Token of load u of this lane group in the iteration starting at `base`.
   auto token_of = [&](int base, int u) { return base + (warp * U + u) * L::kGroups + group; };
   constexpr int kStep = kWarps * L::kGroups * U;  // tokens per block iteration
@@ -197,8 +161,8 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     for (int u = 0; u < U; ++u) {
       const int t = token_of(base, u);
       int blk, off;
-      block_div.divmod(t, blk, off);
-      phys[u] = t < part_end && lane_active ? load_ro(table + blk, "table") : -1;  // predicated
+      kv.div.divmod(t, blk, off);
+      phys[u] = t < part_end && lane_active ? load_ro(kv.table + blk, "table") : -1;  // predicated
       slot[u] = off;
     }
   };
@@ -219,11 +183,10 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
         vc[u] = zero_chunk<C>();
         if (phys[u] >= 0) {
           const uint32_t blk = static_cast<uint32_t>(phys[u]), off = static_cast<uint32_t>(slot[u]);
-          const uint64_t k_off = static_cast<uint64_t>(blk) * k_block + off * k_token;
-          const uint64_t v_off =
-              kSame ? k_off : static_cast<uint64_t>(blk) * v_block + off * v_token;
-          kc[u] = load_chunk<kVec>(reinterpret_cast<const C*>(k_rows + k_off));
-          vc[u] = load_chunk<kVec>(reinterpret_cast<const C*>(v_rows + v_off));
+          const uint64_t k_off = kv.k_offset(blk, off);
+          const uint64_t v_off = kSame ? k_off : kv.v_offset(blk, off);
+          kc[u] = load_chunk<kVec>(kv.k_row(k_off));
+          vc[u] = load_chunk<kVec>(kv.v_row(v_off));
         }
       }
     };
@@ -324,8 +287,8 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
   // (the last, partial iteration of a partition; all of them with soft cap or ALiBi) masked.
   int base = part_begin;
   const bool plain = p.soft_cap <= 0.f && !alibi;
-  if (plain && (window <= 0 || base >= last_pos + 1 - window)) {
-    const int plain_end = min(part_end, first_pos + 1);
+  if (plain && base >= tile.unmasked_begin()) {
+    const int plain_end = tile.unmasked_end();
     for (; base + kStep <= plain_end; base += kStep) iteration.template operator()<false>(base);
   }
   for (; base < part_end; base += kStep) iteration.template operator()<true>(base);
@@ -382,35 +345,17 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     }
     o = sum > 0.f ? o / sum * v_scale : 0.f;
     const float lse = sum > 0.f ? (m_all + log2f(sum)) * kLn2 : -INFINITY;
-    const int64_t token = row_token[r];
-    const int head = row_head[r];
-    if (plan.num_parts == 1) {
-      T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
-      store(out + d, from_float<T>(o), "out");
-      if (d == 0 && p.lse_out != nullptr) {
-        store(p.lse_out + token * p.lse_token_stride + head * p.lse_head_stride, lse, "lse");
-      }
-    } else {
-      const int64_t slot = (token * p.num_heads + head) * plan.num_parts + part;
-      store(plan.tmp_out + slot * head_size + d, o, "workspace");
-      if (d == 0) store(plan.tmp_lse + slot, lse, "workspace");
-    }
+    const OutRow<T> dst(p, plan, row_token[r], row_head[r], tile.part);
+    dst.put(d, o);
+    if (d == 0) dst.put_lse(lse);
   }
 }
 
 template <typename T, typename C, int HEAD>
 cudaError_t launch_paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan,
                                    cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(plan.row_tiles * plan.num_parts),
-                  static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_kv_heads));
-  auto kernel = paged_attention_kernel<T, C, HEAD>;
-  PAGEDKV_LAUNCH(kernel, grid, kThreads, DecodeSmem<HEAD>::kBytes, stream)(p, plan);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || plan.num_parts == 1) return err;
-  const dim3 reduce_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
-  auto reduce = paged_attention_reduce_kernel<T>;
-  PAGEDKV_LAUNCH(reduce, reduce_grid, kMergeThreads, 0, stream)(p, plan);
-  return cudaGetLastError();
+  return launch_attention<T>(paged_attention_kernel<T, C, HEAD>, kThreads,
+                             DecodeSmem<HEAD>::kBytes, p, plan, stream);
 }
 
 template <typename T>

@@ -120,9 +120,8 @@ inline void attach_workspace(const PagedAttentionParams& p, AttentionPlan& plan,
   plan.tmp_lse = ws + p.num_tokens * p.num_heads * plan.num_parts * p.head_size;
 }
 
-#define PAGEDKV_ATTENTION_LAUNCHERS                                                          \
-  cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan,     \
-                              cudaStream_t stream);                                          \
+// merge_attn_states' launcher (paged_attention's: attention_tc_launch.h, with the kernel choice).
+#define PAGEDKV_ATTENTION_LAUNCHERS \
   cudaError_t merge_attn_states(const MergeAttnParams& p, cudaStream_t stream);
 
 namespace cuda {

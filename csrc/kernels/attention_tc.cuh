@@ -9,17 +9,18 @@
 // of BN keys (BN / WN keys each) and merge their softmax states through shared memory at the end.
 // Configurations: "prefill" WM = 4, WN = 1; "decode" WM = 1, WN = 4 (2 for head 256).
 //
-// Per key tile: K and V rows are gathered through the block table with cp.async (16 bytes per
-// thread and copy; rows past the partition and dims past head_size are zero-filled) into a
-// double buffer in shared memory, the next tile's copies in flight while this one is computed.
-// S = Q K^T from ldmatrix fragments (Q and K row-major, rows padded by 16 bytes so that the 8 rows
-// of an 8x8 matrix fall in different banks); scale, soft cap, ALiBi and the causal / window masks
-// on the accumulator fragments; online softmax per row (a row's values live in the 4 lanes of a
-// quad: max by two shuffles, the sum kept per lane until the end); P rounded to the query dtype
+// Per key tile: K and V rows are copied from the paged caches into a double buffer in shared
+// memory, the next tile's copies in flight while this one is computed (attention_tc_tile.cuh).
+// S = Q K^T from ldmatrix fragments (Q's in registers for heads up to 128; rows padded by 16
+// bytes so that the 8 rows of an 8x8 matrix fall in different banks); online softmax per row (a
+// row's values live in the 4 lanes of a quad: max by two shuffles); P rounded to the query dtype
 // and used as the A operand of O += P V straight from the S fragments (V through ldmatrix.trans).
-// Two row sums: of P in fp32 for the lse (as exact as the CUDA-core kernel's) and of P as rounded
-// for the MMA to normalize the output, which is then a convex combination of the V rows with
-// the weights the MMA used.
+// Two loops: the key tiles every row of the tile sees whole, with soft cap and ALiBi off, run an
+// unmasked body (the scale inside the exponent, no per-score code); the others a masked body
+// (scale, soft cap, ALiBi, causal / window / partition masks per score). Two row sums: of P in
+// fp32 for the lse (as exact as the CUDA-core kernel's) and of P as rounded, by one more MMA (P
+// x ones), to normalize the output, which is then a convex combination of the V rows with the
+// weights the MMA used.
 //
 // Split-K: with several partitions each block writes its normalized partial output and lse to
 // the workspace and paged_attention_reduce_kernel (attention_merge.cuh) merges them, as for the
@@ -32,84 +33,22 @@
 #include "kernels/attention_chunks.cuh"
 #include "kernels/attention_merge.cuh"
 #include "kernels/attention_tc_launch.h"
+#include "kernels/attention_tc_tile.cuh"
+#include "kernels/attention_tile.cuh"
 #include "kernels/dtypes.cuh"
 #include "kernels/memory.cuh"
 #include "kernels/tensor_core.cuh"
-
-#include <type_traits>
 
 namespace pagedkv {
 namespace PAGEDKV_KERNEL_NS {
 namespace attn_tc {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr unsigned kFullMask = 0xffffffffu;
-
-template <int HEAD, int WM, int WN, int BN>
-struct TcConfig {
-  static constexpr int kWarps = WM * WN;
-  static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBM = 16 * WM;           // rows per block
-  static constexpr int kWarpKeys = BN / WN;     // keys per warp and tile
-  static constexpr int kStride = HEAD + 8;      // shared row stride in elements (+16 bytes)
-  static constexpr int kChunks = HEAD / 8;      // 16-byte chunks per row
-  static constexpr int kRowsPerPass = kThreads / kChunks;  // K/V rows staged per copy pass
-  static constexpr int kQElems = kBM * kStride;
-  static constexpr int kKVElems = BN * kStride;  // one K or V buffer
-  static constexpr size_t kStageBytes = (kQElems + 4 * kKVElems) * 2;
-  // WN > 1: per warp O [16][HEAD], then m, l and lr [16], floats.
-  static constexpr size_t kMergeBytes = WN > 1 ? (kWarps * 16 * (HEAD + 3)) * sizeof(float) : 0;
-  static constexpr size_t kBytes = kStageBytes > kMergeBytes ? kStageBytes : kMergeBytes;
-  static_assert(kWarpKeys % 16 == 0, "each warp takes whole k16 steps of P V");
-  static_assert(kThreads % kChunks == 0 && BN % kRowsPerPass == 0, "copy passes");
-  static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "padded head size");
-};
-
-__device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f : m; }
-
-// Two floats rounded to T, packed as an MMA operand register (lower half = lower column).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(T lo, T hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(__half lo, __half hi) {
-  const __half_raw a = lo, b = hi;
-  return static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(b.x) << 16);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(__nv_bfloat16 lo, __nv_bfloat16 hi) {
-  const __nv_bfloat16_raw a = lo, b = hi;
-  return static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(b.x) << 16);
-}
-
-// 8 fp8 cache elements (raw, little-endian) -> 8 T, exactly (every e4m3 / e5m2 value is a
-// float16 and a bfloat16 value); the scales are applied to S and O, not here.
-template <typename T, typename C>
-__device__ __forceinline__ uint4 dequantize8(uint2 raw) {
-  constexpr __nv_fp8_interpretation_t kind = std::is_same_v<C, fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t word = i < 2 ? raw.x : raw.y;
-    const auto pair = static_cast<__nv_fp8x2_storage_t>((word >> (16 * (i % 2))) & 0xffffu);
-    __half2_raw h;
-    if constexpr (kind == __NV_E5M2) {  // an e5m2 byte is the high byte of its float16
-      h.x = static_cast<unsigned short>((pair & 0xffu) << 8);
-      h.y = static_cast<unsigned short>(pair & 0xff00u);
-    } else {
-      h = __nv_cvt_fp8x2_to_halfraw2(pair, kind);
-    }
-    if constexpr (std::is_same_v<T, __half>) {
-      w[i] = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-    } else {
-      __half_raw lo, hi;
-      lo.x = h.x, hi.x = h.y;
-      w[i] = pack2<T>(from_float<T>(__half2float(__half(lo))),
-                      from_float<T>(__half2float(__half(hi))));
-    }
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
+using attn::AttentionTile;
+using attn::kFullMask;
+using attn::kLn2;
+using attn::kLog2e;
+using attn::OutRow;
+using attn::safe_max;
 
 // grid: (row_tiles * num_parts, num_seqs, num_kv_heads), block: TcConfig::kThreads,
 // dynamic smem: TcConfig::kBytes. T: the query and out dtype (16-bit); C: the cache's, T or an
@@ -124,35 +63,15 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   constexpr int kStride = Cfg::kStride;
   constexpr int KW = Cfg::kWarpKeys;
   PAGEDKV_DYNAMIC_SMEM(T, tc_smem);
+  __shared__ RowOffsets row_off[2][BN];  // 16-bit caches: K/V row offsets of two tiles
   T* q_smem = tc_smem;                     // [kBM][kStride]
   T* k_smem = q_smem + Cfg::kQElems;       // [2][BN][kStride]
   T* v_smem = k_smem + 2 * Cfg::kKVElems;  // [2][BN][kStride]
 
-  const int tile = blockIdx.x % plan.row_tiles;
-  const int part = blockIdx.x / plan.row_tiles;
-  const int seq = blockIdx.y;
-  const int kv_head = blockIdx.z;
-  const int group = p.num_heads / p.num_kv_heads;
-  int q_begin = seq, q_len = 1;
-  if (p.query_start_loc != nullptr) {
-    q_begin = p.query_start_loc[seq];
-    q_len = p.query_start_loc[seq + 1] - q_begin;
-  }
-  const int seq_len = p.seq_lens[seq];
-  const int row0 = tile * Cfg::kBM;
-  const int rows = min(Cfg::kBM, q_len * group - row0);
+  const AttentionTile tile(p, plan, Cfg::kBM);
+  const int rows = tile.rows;
   if (rows <= 0) return;  // the whole block: no barrier skipped
-
-  const int first_pos = seq_len - q_len + row0 / group;
-  const int last_pos = seq_len - q_len + (row0 + rows - 1) / group;
-  const int kv_end = min(last_pos + 1, seq_len);
-  const int window = p.sliding_window;
-  const int window_begin = window > 0 ? max(0, first_pos - window + 1) : 0;
-  const int part_begin = window_begin + part * plan.part_tokens;
-  // The last partition runs to the end of the context, whatever the plan's max_seq_len was (a
-  // CUDA graph replays a plan captured for shorter sequences: no key may be dropped).
-  const int part_end =
-      part == plan.num_parts - 1 ? kv_end : min(part_begin + plan.part_tokens, kv_end);
+  const int part_end = tile.part_end, window = tile.window, kv_head = tile.kv_head;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
@@ -175,9 +94,8 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       const int r = i / Cfg::kChunks, c = i % Cfg::kChunks;
       uint4 x = make_uint4(0, 0, 0, 0);
       if (r < rows && c * 8 < head_size) {
-        const int rr = row0 + r;
-        const T* src = query + static_cast<int64_t>(q_begin + rr / group) * p.q_token_stride +
-                       static_cast<int64_t>(kv_head * group + rr % group) * p.q_head_stride + c * 8;
+        const T* src = query + static_cast<int64_t>(tile.token(r)) * p.q_token_stride +
+                       static_cast<int64_t>(tile.head(r)) * p.q_head_stride + c * 8;
         if (q_vec) {
           x = *reinterpret_cast<const uint4*>(src);
         } else {
@@ -191,192 +109,121 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
     }
   }
 
-  // K/V tile gather: thread tid copies chunk tid % kChunks (8 elements) of rows tid / kChunks +
-  // pass * kRowsPerPass; both caches seen from this kv head and that chunk. 16-bit caches: by
-  // cp.async (stage); fp8 caches: 8-byte loads into registers one tile ahead (fetch), dequantized
-  // into shared memory after the current tile's math (store); head 256: at the tile's start.
-  constexpr int kPasses = BN / Cfg::kRowsPerPass;
-  // Head 256 has no registers left for a tile in flight: it loads and stores at the tile's start.
-  constexpr bool kPrefetch = kFp8 && HEAD <= 128;
-  const int my_chunk = tid % Cfg::kChunks;
-  const int my_row = tid / Cfg::kChunks;
-  const bool chunk_in = my_chunk * 8 < head_size;
-  const PagedKV<const C> k_cache = p.key_cache.as<const C>().head(kv_head, my_chunk * 8);
-  const PagedKV<const C> v_cache = p.value_cache.as<const C>().head(kv_head, my_chunk * 8);
-  const int* table = p.block_tables + static_cast<int64_t>(seq) * p.block_table_stride;
-  const attn::FastDiv block_div(p.key_cache.block_size);
-  uint2 k_next[kPrefetch ? kPasses : 1], v_next[kPrefetch ? kPasses : 1];
-  auto fetch = [&](int key0) {
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int t = key0 + my_row + pass * Cfg::kRowsPerPass;
-      k_next[pass] = v_next[pass] = make_uint2(0, 0);
-      if (t < part_end && chunk_in) {
-        int blk, off;
-        block_div.divmod(t, blk, off);
-        const int64_t phys = load_ro(table + blk, "table");
-        k_next[pass] = load_ro(reinterpret_cast<const uint2*>(k_cache.row({phys, off})), "kv");
-        v_next[pass] = load_ro(reinterpret_cast<const uint2*>(v_cache.row({phys, off})), "kv");
-      }
-    }
-  };
-  auto store = [&](int buf) {
-    T* kd = k_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
-    T* vd = v_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      *reinterpret_cast<uint4*>(kd + pass * Cfg::kRowsPerPass * kStride) =
-          dequantize8<T, C>(k_next[pass]);
-      *reinterpret_cast<uint4*>(vd + pass * Cfg::kRowsPerPass * kStride) =
-          dequantize8<T, C>(v_next[pass]);
-    }
-  };
-  auto load_store = [&](int buf, int key0) {  // fetch + store, one pass at a time
-    T* kd = k_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
-    T* vd = v_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int t = key0 + my_row + pass * Cfg::kRowsPerPass;
-      uint2 kr = make_uint2(0, 0), vr = make_uint2(0, 0);
-      if (t < part_end && chunk_in) {
-        int blk, off;
-        block_div.divmod(t, blk, off);
-        const int64_t phys = load_ro(table + blk, "table");
-        kr = load_ro(reinterpret_cast<const uint2*>(k_cache.row({phys, off})), "kv");
-        vr = load_ro(reinterpret_cast<const uint2*>(v_cache.row({phys, off})), "kv");
-      }
-      *reinterpret_cast<uint4*>(kd + pass * Cfg::kRowsPerPass * kStride) = dequantize8<T, C>(kr);
-      *reinterpret_cast<uint4*>(vd + pass * Cfg::kRowsPerPass * kStride) = dequantize8<T, C>(vr);
-    }
-  };
-  auto stage = [&](int buf, int key0) {
-    T* kd = k_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
-    T* vd = v_smem + buf * Cfg::kKVElems + my_row * kStride + my_chunk * 8;
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int t = key0 + my_row + pass * Cfg::kRowsPerPass;
-      const C* ks = k_cache.data;
-      const C* vs = v_cache.data;
-      int bytes = 0;
-      if (t < part_end && chunk_in) {
-        int blk, off;
-        block_div.divmod(t, blk, off);
-        const int64_t phys = load_ro(table + blk, "table");
-        ks = k_cache.row({phys, off});
-        vs = v_cache.row({phys, off});
-        bytes = 16;
-      }
-      note_read(ks, bytes, "kv");
-      tc::cp_async_16(kd + pass * Cfg::kRowsPerPass * kStride, ks, bytes);
-      note_read(vs, bytes, "kv");
-      tc::cp_async_16(vd + pass * Cfg::kRowsPerPass * kStride, vs, bytes);
-    }
-  };
+  TcCopy<T, C, Cfg, BN> copy(p, tile, k_smem, row_off);
 
   // This thread's two rows of the warp's 16 (lane / 4 and lane / 4 + 8): query position (-1:
-  // no row, everything masked), ALiBi slope, output token and head.
-  int pos[2], out_token[2], out_head[2];
+  // no row, everything masked) and ALiBi slope.
+  int pos[2];
   float slope[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp_m * 16 + lane / 4 + 8 * h;
-    const int rr = row0 + r;
     const bool in = r < rows;
-    pos[h] = in ? seq_len - q_len + rr / group : -1;
-    out_token[h] = q_begin + rr / group;
-    out_head[h] = kv_head * group + rr % group;
-    slope[h] = in && p.alibi_slopes != nullptr ? p.alibi_slopes[out_head[h]] : 0.f;
+    pos[h] = in ? tile.pos(r) : -1;
+    slope[h] = in && p.alibi_slopes != nullptr ? p.alibi_slopes[tile.head(r)] : 0.f;
   }
   const bool alibi = p.alibi_slopes != nullptr;
   const float soft_cap = p.soft_cap;
-  const int k_steps = (head_size + 15) / 16;  // k16 steps of S = Q K^T
-  const int d_tiles = head_size / 8;          // n8 tiles of O
+  const float qk_scale_log2 = qk_scale * kLog2e;
+  const int d_tiles = head_size / 8;  // n8 tiles of O that hold output dims
 
-  // Per row: running max m (log2 domain), row sums of P in fp32 (l, for the lse) and of P as
-  // rounded for the MMA (lr, the output's normalizer); per lane until the end.
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, lr[2] = {0.f, 0.f};
+  // Per row: running max m (log2 domain), row sum of P in fp32 (l, for the lse; per lane until
+  // the end) and of P as rounded for the MMA (the output's normalizer): an accumulator fragment
+  // of P x ones, whose columns all hold the row sums (lr[0] row g, lr[2] row g + 8).
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float lr[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint32_t ones[2] = {pack2<T>(from_float<T>(1.f), from_float<T>(1.f)),
+                            pack2<T>(from_float<T>(1.f), from_float<T>(1.f))};
   float o[HEAD / 8][4];
 #pragma unroll
   for (int j = 0; j < HEAD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 
+  const int part_begin = tile.part_begin;
   const int n_tiles = part_end > part_begin ? (part_end - part_begin + BN - 1) / BN : 0;
-  if (n_tiles > 0) {
-    if constexpr (kPrefetch) {
-      fetch(part_begin);
-      store(0);
-    } else if constexpr (!kFp8) {
-      stage(0, part_begin);
-      tc::cp_async_commit();
+  if (n_tiles > 0) copy.prologue(part_begin);
+  __syncthreads();  // Q (and the first tiles' row offsets) in shared memory
+  if (n_tiles > 0) copy.start(part_begin);
+  // Q as A operands, one per k16 step, in registers for the whole loop where they fit (head
+  // <= 128: 32 registers); head 256 reloads them from shared memory per key tile.
+  constexpr bool kQRegs = HEAD <= 128;
+  const T* qs = q_smem + warp_m * 16 * kStride;
+  uint32_t qf[kQRegs ? HEAD / 16 : 1][4];
+  if constexpr (kQRegs) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD / 16; ++kk) {
+      tc::ldmatrix_x4(qf[kk], qs + (lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
     }
   }
-  for (int it = 0; it < n_tiles; ++it) {
-    const int key0 = part_begin + it * BN;
-    if constexpr (kPrefetch) {
-      if (it + 1 < n_tiles) fetch(key0 + BN);  // in flight during this tile's math
-    } else if constexpr (kFp8) {
-      load_store(it & 1, key0);  // the buffer was last read two tiles ago, before the last barrier
-    } else if (it + 1 < n_tiles) {
-      stage((it + 1) & 1, key0 + BN);
-      tc::cp_async_commit();
-      tc::cp_async_wait<1>();
-    } else {
-      tc::cp_async_wait<0>();
-    }
-    __syncthreads();
 
-    const T* ks = k_smem + (it & 1) * Cfg::kKVElems + warp_n * KW * kStride;
-    const T* vs = v_smem + (it & 1) * Cfg::kKVElems + warp_n * KW * kStride;
-    const T* qs = q_smem + warp_m * 16 * kStride;
-    const int wkey0 = key0 + warp_n * KW;
-
-    // S = Q K^T: [16][KW] per warp.
+  // The math of one key tile (buffer buf, keys from key0). kMasked: the general body (soft cap,
+  // ALiBi, the causal / window / partition masks, per score); otherwise every key of the tile
+  // is valid for every row and no feature is on: scores are scaled into the exponent (one FFMA
+  // each) and none of that code is compiled in.
+  auto tile_math = [&]<bool kMasked>(int buf, int key0) {
+    const T* ks = k_smem + buf * Cfg::kKVElems + warp_n * KW * kStride;
+    const T* vs = v_smem + buf * Cfg::kKVElems + warp_n * KW * kStride;
+    // S = Q K^T: [16][KW] per warp (dims past head_size are zeros in Q and K).
     float s[KW / 8][4];
 #pragma unroll
     for (int j = 0; j < KW / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < HEAD / 16; ++kk) {
-      if (kk < k_steps) {
-        uint32_t a[4];
+      uint32_t a[4];
+      if constexpr (kQRegs) {
+        a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
+      } else {
         tc::ldmatrix_x4(a, qs + (lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+      }
 #pragma unroll
-        for (int j = 0; j < KW / 8; j += 2) {
-          uint32_t b[4];
-          tc::ldmatrix_x4(b, ks + (j * 8 + (lane / 16) * 8 + lane % 8) * kStride + kk * 16 +
-                                 ((lane / 8) % 2) * 8);
-          const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-          tc::mma_m16n8k16<T>(s[j], a, b0, s[j]);
-          tc::mma_m16n8k16<T>(s[j + 1], a, b1, s[j + 1]);
+      for (int j = 0; j < KW / 8; j += 2) {
+        uint32_t b[4];
+        tc::ldmatrix_x4(b, ks + (j * 8 + (lane / 16) * 8 + lane % 8) * kStride + kk * 16 +
+                               ((lane / 8) % 2) * 8);
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        tc::mma_m16n8k16<T>(s[j], a, b0, s[j]);
+        tc::mma_m16n8k16<T>(s[j + 1], a, b1, s[j + 1]);
+      }
+    }
+
+    // Masked: scale, soft cap, ALiBi, masks into the log2 domain (exponent scale 1); unmasked:
+    // the raw scores, scaled in the exponent.
+    float mul = qk_scale_log2;
+    if constexpr (kMasked) {
+      mul = 1.f;
+      const int wkey0 = key0 + warp_n * KW;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < KW / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int t = wkey0 + j * 8 + 2 * (lane % 4) + e;
+            float x = s[j][2 * h + e] * qk_scale;
+            if (soft_cap > 0.f) x = soft_cap * tanhf(x / soft_cap);
+            if (alibi) x += slope[h] * static_cast<float>(t - pos[h]);
+            const bool valid = t < part_end && t <= pos[h] && (window <= 0 || t > pos[h] - window);
+            s[j][2 * h + e] = valid ? x * kLog2e : -INFINITY;
+          }
         }
       }
     }
 
-    // Scale, soft cap, ALiBi, masks (log2 domain); online softmax per row.
+    // Online softmax per row (a row lives in the 4 lanes of a quad: max by two shuffles).
     uint32_t pa[KW / 16][4];  // P as A operands, one per k16 step of P V
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
+      float mx = s[0][2 * h];
 #pragma unroll
-      for (int j = 0; j < KW / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int t = wkey0 + j * 8 + 2 * (lane % 4) + e;
-          float x = s[j][2 * h + e] * qk_scale;
-          if (soft_cap > 0.f) x = soft_cap * tanhf(x / soft_cap);
-          if (alibi) x += slope[h] * static_cast<float>(t - pos[h]);
-          const bool valid = t < part_end && t <= pos[h] && (window <= 0 || t > pos[h] - window);
-          x = valid ? x * kLog2e : -INFINITY;
-          s[j][2 * h + e] = x;
-          mx = fmaxf(mx, x);
-        }
-      }
+      for (int j = 0; j < KW / 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-      const float m_new = fmaxf(m[h], mx);
-      const float base = safe_max(m_new);
-      const float alpha = exp2f(m[h] - base);
+      // Unmasked, every score is finite: so is the running max.
+      const float m_new = fmaxf(m[h], mx * mul);
+      const float base = kMasked ? safe_max(m_new) : m_new;
+      const float alpha = attn::fast_exp2(m[h] - base);
       m[h] = m_new;
       l[h] *= alpha;
-      lr[h] *= alpha;
+      lr[2 * h] *= alpha;
 #pragma unroll
       for (int d = 0; d < HEAD / 8; ++d) {
         o[d][2 * h] *= alpha;
@@ -384,36 +231,67 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       }
 #pragma unroll
       for (int j = 0; j < KW / 8; ++j) {
-        const float e0 = exp2f(s[j][2 * h] - base), e1 = exp2f(s[j][2 * h + 1] - base);
+        const float e0 = attn::fast_exp2(fmaf(s[j][2 * h], mul, -base));
+        const float e1 = attn::fast_exp2(fmaf(s[j][2 * h + 1], mul, -base));
         const T p0 = from_float<T>(e0), p1 = from_float<T>(e1);
         l[h] += e0 + e1;
-        lr[h] += to_float(p0) + to_float(p1);
         // A fragment of k16 step j / 2: a0 (row, keys 0..7) a1 (row + 8, keys 0..7),
         // a2 (row, keys 8..15), a3 (row + 8, keys 8..15).
         pa[j / 2][(j % 2) * 2 + h] = pack2<T>(p0, p1);
       }
     }
 
-    // O += P V.
+    // O += P V (dims past head_size: zero V columns, never written).
 #pragma unroll
     for (int kk = 0; kk < KW / 16; ++kk) {
+      tc::mma_m16n8k16<T>(lr, pa[kk], ones, lr);
 #pragma unroll
       for (int d = 0; d < HEAD / 8; d += 2) {
-        if (d < d_tiles) {
-          uint32_t b[4];
-          tc::ldmatrix_x4_trans(b, vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kStride +
-                                       d * 8 + (lane / 16) * 8);
-          const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-          tc::mma_m16n8k16<T>(o[d], pa[kk], b0, o[d]);
-          tc::mma_m16n8k16<T>(o[d + 1], pa[kk], b1, o[d + 1]);
-        }
+        uint32_t b[4];
+        tc::ldmatrix_x4_trans(b, vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kStride +
+                                     d * 8 + (lane / 16) * 8);
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        tc::mma_m16n8k16<T>(o[d], pa[kk], b0, o[d]);
+        tc::mma_m16n8k16<T>(o[d + 1], pa[kk], b1, o[d + 1]);
       }
     }
-    if constexpr (kPrefetch) {
-      // The other buffer was last read in the previous tile, before this tile's barrier.
-      if (it + 1 < n_tiles) store((it + 1) & 1);
-    } else if constexpr (!kFp8) {
-      __syncthreads();  // this buffer is staged again two tiles on
+  };
+
+  // Masked tiles: a warp none of whose rows sees any of its keys (all before the window of its
+  // first row, past its last row's position or the partition's end; a warp without rows) skips
+  // the math, whose scores would all be -inf and change nothing.
+  const int warp_first = min(warp_m * 16, rows - 1);
+  const int warp_last = min(warp_m * 16 + 15, rows - 1);
+  const bool warp_rows = warp_m * 16 < rows;
+  auto warp_sees = [&](int wkey0) {
+    return warp_rows && wkey0 < part_end && wkey0 <= tile.pos(warp_last) &&
+           (window <= 0 || wkey0 + KW - 1 > tile.pos(warp_first) - window);
+  };
+  auto key_tile = [&]<bool kMasked>(int it) {
+    const int key0 = part_begin + it * BN;
+    copy.before_tile(it, key0, n_tiles);
+    __syncthreads();
+    copy.after_barrier(it, key0, n_tiles);
+    if (!kMasked || warp_sees(key0 + warp_n * KW)) {
+      tile_math.template operator()<kMasked>(it & 1, key0);
+    }
+    copy.after_tile(it, n_tiles);
+  };
+
+  // Tiles whose keys every row sees, with no feature on, run unmasked: [it_lo, it_hi); the
+  // others (window start, causal diagonal, partition end; all of them with soft cap or ALiBi)
+  // masked.
+  int it_lo = n_tiles, it_hi = n_tiles;
+  if (soft_cap <= 0.f && !alibi && qk_scale > 0.f) {  // max(s) * scale is then the scaled max
+    const int lo = tile.unmasked_begin() - part_begin, hi = tile.unmasked_end() - part_begin;
+    it_lo = min(n_tiles, max(0, (lo + BN - 1) / BN));
+    it_hi = max(it_lo, min(n_tiles, hi / BN));
+  }
+  for (int it = 0; it < n_tiles;) {
+    if (it >= it_lo && it < it_hi) {
+      for (; it < it_hi; ++it) key_tile.template operator()<false>(it);
+    } else {
+      key_tile.template operator()<true>(it++);
     }
   }
 
@@ -422,41 +300,23 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
     l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
-    lr[h] += __shfl_xor_sync(kFullMask, lr[h], 1);
-    lr[h] += __shfl_xor_sync(kFullMask, lr[h], 2);
   }
-
-  // Row (token, head) gets o[d], o[d + 1] (normalized) and its lse.
-  auto write_pair = [&](int64_t token, int head, int d, float x0, float x1, float lse) {
-    if (plan.num_parts == 1) {
-      T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
-      out[d] = from_float<T>(x0 * v_scale);
-      out[d + 1] = from_float<T>(x1 * v_scale);
-      if (d == 0 && p.lse_out != nullptr) {
-        p.lse_out[token * p.lse_token_stride + head * p.lse_head_stride] = lse;
-      }
-    } else {
-      const int64_t slot = (token * p.num_heads + head) * plan.num_parts + part;
-      plan.tmp_out[slot * head_size + d] = x0 * v_scale;
-      plan.tmp_out[slot * head_size + d + 1] = x1 * v_scale;
-      if (d == 0) plan.tmp_lse[slot] = lse;
-    }
-  };
 
   if constexpr (WN == 1) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = warp_m * 16 + lane / 4 + 8 * h;
       if (r < rows) {
-        const float inv = lr[h] > 0.f ? __frcp_rn(lr[h]) : 0.f;
-        const float lse = l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
+        const float inv = lr[2 * h] > 0.f ? __frcp_rn(lr[2 * h]) : 0.f;
+        const OutRow<T> dst(p, plan, tile.token(r), tile.head(r), tile.part);
 #pragma unroll
         for (int d = 0; d < HEAD / 8; ++d) {
           if (d < d_tiles) {
-            write_pair(out_token[h], out_head[h], d * 8 + 2 * (lane % 4), o[d][2 * h] * inv,
-                       o[d][2 * h + 1] * inv, lse);
+            dst.put(d * 8 + 2 * (lane % 4), o[d][2 * h] * inv * v_scale);
+            dst.put(d * 8 + 2 * (lane % 4) + 1, o[d][2 * h + 1] * inv * v_scale);
           }
         }
+        if (lane % 4 == 0) dst.put_lse(l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY);
       }
     }
   } else {
@@ -480,7 +340,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       if (lane % 4 == 0) {
         m_smem[warp * 16 + r] = m[h];
         l_smem[warp * 16 + r] = l[h];
-        lr_smem[warp * 16 + r] = lr[h];
+        lr_smem[warp * 16 + r] = lr[2 * h];
       }
     }
     __syncthreads();
@@ -499,10 +359,11 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
         sum += wt * l_smem[w * 16 + r];
         sum_r += wt * lr_smem[w * 16 + r];
       }
-      const float inv = sum_r > 0.f ? __frcp_rn(sum_r) : 0.f;
-      const float lse = sum > 0.f ? (m_all + log2f(sum)) * kLn2 : -INFINITY;
-      const int rr = row0 + r;
-      write_pair(q_begin + rr / group, kv_head * group + rr % group, d, o0 * inv, o1 * inv, lse);
+      const float inv = (sum_r > 0.f ? __frcp_rn(sum_r) : 0.f) * v_scale;
+      const OutRow<T> dst(p, plan, tile.token(r), tile.head(r), tile.part);
+      dst.put(d, o0 * inv);
+      dst.put(d + 1, o1 * inv);
+      if (d == 0) dst.put_lse(sum > 0.f ? (m_all + log2f(sum)) * kLn2 : -INFINITY);
     }
   }
 #endif
@@ -512,21 +373,8 @@ template <typename T, typename C, int HEAD, int WM, int WN, int BN>
 cudaError_t launch_paged_attention_tc(const PagedAttentionParams& p, const AttentionPlan& plan,
                                       cudaStream_t stream) {
   using Cfg = TcConfig<HEAD, WM, WN, BN>;
-  auto kernel = paged_attention_tc_kernel<T, C, HEAD, WM, WN, BN>;
-  if (Cfg::kBytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kBytes));
-    if (err != cudaSuccess) return err;
-  }
-  const dim3 grid(static_cast<unsigned>(plan.row_tiles * plan.num_parts),
-                  static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_kv_heads));
-  PAGEDKV_LAUNCH(kernel, grid, Cfg::kThreads, Cfg::kBytes, stream)(p, plan);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || plan.num_parts == 1) return err;
-  const dim3 reduce_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
-  auto reduce = attn::paged_attention_reduce_kernel<T>;
-  PAGEDKV_LAUNCH(reduce, reduce_grid, attn::kMergeThreads, 0, stream)(p, plan);
-  return cudaGetLastError();
+  return attn::launch_attention<T>(paged_attention_tc_kernel<T, C, HEAD, WM, WN, BN>, Cfg::kThreads,
+                                   Cfg::kBytes, p, plan, stream);
 }
 
 // Head size and configuration (from the rows per kv head, as the plan's row tiles) to template

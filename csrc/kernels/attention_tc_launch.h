@@ -1,7 +1,9 @@
-// The tensor-core paged attention kernel (attention_tc.cuh) as the host sees it: which calls it
-// runs (the dispatch rule), its launch configuration and split-K plan, and its launchers.
-// Torch-free and CUDA-compiler-free; everything here is computed from host integers, so the
-// choice is graph-capture safe (docs/cuda_attention.md, "Dispatch").
+// Which attention kernel runs a paged_attention call and how, as the host sees it: the dispatch
+// rule between the CUDA-core kernel (attention_kernels.cuh) and the tensor-core one
+// (attention_tc.cuh), the tensor-core kernel's launch configuration and split-K plan,
+// plan_attention (the one host function that returns the kernel and its plan) and the launcher
+// both backends define. Torch-free and CUDA-compiler-free; everything here is computed from host
+// integers, so the choice is graph-capture safe (docs/cuda_attention.md, "Dispatch").
 #pragma once
 #include <driver_types.h>
 #include <stdint.h>
@@ -94,17 +96,37 @@ inline AttentionPlan plan_paged_attention_tc(const PagedAttentionParams& p,
   return plan;
 }
 
-#define PAGEDKV_ATTENTION_TC_LAUNCHERS                                                     \
-  cudaError_t paged_attention_tc(const PagedAttentionParams& p, const AttentionPlan& plan, \
-                                 cudaStream_t stream);
+// A call's kernel and its plan.
+struct AttentionLaunch {
+  AttentionKernel kernel;
+  AttentionPlan plan;  // workspace pointers null until the caller attaches one
+};
+
+// The kernel that runs a call (the dispatch rule under `choice`, PAGEDKV_ATTENTION_KERNEL's
+// value) and that kernel's split-K plan. sm_major: the device's compute capability major (-1:
+// the simt emulator); sm_count and min_part_tokens as for plan_paged_attention.
+inline AttentionLaunch plan_attention(const PagedAttentionParams& p, int sm_count, int sm_major,
+                                      AttentionKernelChoice choice,
+                                      int min_part_tokens = kAttnMinPartTokens) {
+  const AttentionPlan base = plan_paged_attention(p, sm_count, min_part_tokens);
+  const AttentionKernel kernel = choose_attention_kernel(p, base.vectorized, sm_major, choice);
+  if (kernel == AttentionKernel::kCudaCore) return {kernel, base};
+  return {kernel, plan_paged_attention_tc(p, base, sm_count, min_part_tokens)};
+}
+
+// Runs the call on the launch's kernel (then the split-K reduce when its plan splits); defined
+// by each backend (attention_dispatch.cuh).
+#define PAGEDKV_ATTENTION_LAUNCHER                                                             \
+  cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionLaunch& launch,   \
+                              cudaStream_t stream);
 
 namespace cuda {
-PAGEDKV_ATTENTION_TC_LAUNCHERS
+PAGEDKV_ATTENTION_LAUNCHER
 }
 namespace simt {
-PAGEDKV_ATTENTION_TC_LAUNCHERS
+PAGEDKV_ATTENTION_LAUNCHER
 }
 
-#undef PAGEDKV_ATTENTION_TC_LAUNCHERS
+#undef PAGEDKV_ATTENTION_LAUNCHER
 
 }  // namespace pagedkv

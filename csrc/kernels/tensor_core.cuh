@@ -97,18 +97,21 @@ PAGEDKV_TC_LDMATRIX(ldmatrix_x4_trans, 4, true, "ldmatrix.sync.aligned.m8n8.x4.t
                     "{%0, %1, %2, %3}", "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]))
 #undef PAGEDKV_TC_LDMATRIX
 
-// cp.async.cg.shared.global [smem], [gmem], 16, src_bytes: per thread, not collective. src_bytes
-// 16 copies, 0 writes 16 zero bytes without reading gmem (zfill). Both addresses 16-byte aligned.
-// The copy is asynchronous: it is complete only after the cp_async_wait that retires its group.
+// cp.async.cg.shared.global [smem], [gmem], 16: per thread, not collective. src_bytes 16 copies,
+// 0 writes 16 zero bytes without reading gmem (the ignore-src predicate: one LDGSTS.ZFILL, no
+// address arithmetic). Both addresses 16-byte aligned. The copy is asynchronous: it is complete
+// only after the cp_async_wait that retires its group.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes = 16) {
 #if defined(PAGEDKV_TC_UNSUPPORTED)
   (void)smem, (void)gmem, (void)src_bytes;
   __trap();
 #elif defined(__CUDACC__)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-               :
-               : "r"(shared_address(smem)), "l"(gmem), "r"(src_bytes)
-               : "memory");
+  asm volatile(
+      "{\n .reg .pred skip;\n setp.eq.s32 skip, %2, 0;\n"
+      " cp.async.cg.shared.global [%0], [%1], 16, skip;\n}"
+      :
+      : "r"(shared_address(smem)), "l"(gmem), "r"(src_bytes)
+      : "memory");
 #else
   ::simt::ptx::cp_async_16(smem, gmem, src_bytes);
 #endif

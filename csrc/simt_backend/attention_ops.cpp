@@ -10,7 +10,8 @@
 #include <cstdlib>
 
 #include "glue/attention_kernel.h"
-#include "kernels/attention_launch.h"
+#include "glue/attention_plan.h"
+#include "kernels/attention_tc_launch.h"
 #include "ops/merge_attn_states.h"
 #include "ops/paged_attention.h"
 #include "simt/runtime.h"
@@ -40,16 +41,15 @@ std::atomic<int64_t> plan_max_seq_len{0};
 
 void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   check_attention_kernel_exists(p, "simt");
-  at::Tensor workspace;
   PagedAttentionParams planned = p;
   if (const int64_t cap = plan_max_seq_len.load(); cap > 0 && cap < p.max_seq_len) {
     planned.max_seq_len = static_cast<int32_t>(cap);
   }
-  const AttentionLaunch run =
-      attention_launch(planned, query, kSimtSmCount, -1, simt_min_part_tokens(), workspace);
-  check(run.kernel == AttentionKernel::kTensorCore ? simt::paged_attention_tc(p, run.plan, nullptr)
-                                                   : simt::paged_attention(p, run.plan, nullptr),
-        "paged_attention");
+  AttentionLaunch run = plan_attention(planned, kSimtSmCount, -1, attention_kernel_choice(),
+                                       simt_min_part_tokens());
+  at::Tensor workspace;  // alive until the launch returns
+  allocate_workspace(p, run.plan, query, workspace);
+  check(simt::paged_attention(p, run, nullptr), "paged_attention");
 }
 
 void merge_attn_states(const MergeAttnParams& p, const at::Tensor&) {

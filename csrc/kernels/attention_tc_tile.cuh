@@ -1,0 +1,237 @@
+// The tensor-core attention kernel's tile (attention_tc.cuh): its configuration and shared
+// memory, the operand packing, and the K/V copies from the paged caches into shared memory.
+//
+// Copies: thread tid copies chunk tid % kChunks (8 elements) of rows tid / kChunks + pass *
+// kRowsPerPass of a key tile. 16-bit caches go by cp.async, one tile ahead of the math (stage),
+// from row offsets that one thread per key found two tiles ahead (locate_rows: the block-table
+// entry read once per key and tile, not per chunk; MagicDiv, no division in the loop); fp8
+// caches by 8-byte loads into registers one tile ahead (fetch), dequantized into shared memory
+// after the current tile's math (store), or for head 256, which has no registers for a tile in
+// flight, both at the tile's start (load_store).
+#pragma once
+#include "kernels/compat.cuh"
+#include "kernels/attention_tile.cuh"
+#include "kernels/dtypes.cuh"
+#include "kernels/memory.cuh"
+#include "kernels/tensor_core.cuh"
+
+#include <type_traits>
+
+namespace pagedkv {
+namespace PAGEDKV_KERNEL_NS {
+namespace attn_tc {
+
+// Byte offsets of one key's K and V rows from the kv head's first row (KVRows).
+struct alignas(16) RowOffsets {
+  uint64_t k, v;
+};
+
+template <int HEAD, int WM, int WN, int BN>
+struct TcConfig {
+  static constexpr int kHead = HEAD;
+  static constexpr int kWarps = WM * WN;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBM = 16 * WM;           // rows per block
+  static constexpr int kWarpKeys = BN / WN;     // keys per warp and tile
+  static constexpr int kStride = HEAD + 8;      // shared row stride in elements (+16 bytes)
+  static constexpr int kChunks = HEAD / 8;      // 16-byte chunks per row
+  static constexpr int kRowsPerPass = kThreads / kChunks;  // K/V rows staged per copy pass
+  static constexpr int kQElems = kBM * kStride;
+  static constexpr int kKVElems = BN * kStride;  // one K or V buffer
+  static constexpr size_t kStageBytes = (kQElems + 4 * kKVElems) * 2;
+  // WN > 1: per warp O [16][HEAD], then m, l and lr [16], floats.
+  static constexpr size_t kMergeBytes = WN > 1 ? (kWarps * 16 * (HEAD + 3)) * sizeof(float) : 0;
+  static constexpr size_t kBytes = kStageBytes > kMergeBytes ? kStageBytes : kMergeBytes;
+  static_assert(kWarpKeys % 16 == 0, "each warp takes whole k16 steps of P V");
+  static_assert(kThreads % kChunks == 0 && BN % kRowsPerPass == 0, "copy passes");
+  static_assert(BN <= kThreads, "one thread locates each key's rows");
+  static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "padded head size");
+};
+
+// Two floats rounded to T, packed as an MMA operand register (lower half = lower column).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(T lo, T hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(__half lo, __half hi) {
+  const __half_raw a = lo, b = hi;
+  return static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(b.x) << 16);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  const __nv_bfloat16_raw a = lo, b = hi;
+  return static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(b.x) << 16);
+}
+
+// 8 fp8 cache elements (raw, little-endian) -> 8 T, exactly (every e4m3 / e5m2 value is a
+// float16 and a bfloat16 value); the scales are applied to S and O, not here.
+template <typename T, typename C>
+__device__ __forceinline__ uint4 dequantize8(uint2 raw) {
+  constexpr __nv_fp8_interpretation_t kind = std::is_same_v<C, fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t word = i < 2 ? raw.x : raw.y;
+    const auto pair = static_cast<__nv_fp8x2_storage_t>((word >> (16 * (i % 2))) & 0xffffu);
+    __half2_raw h;
+    if constexpr (kind == __NV_E5M2) {  // an e5m2 byte is the high byte of its float16
+      h.x = static_cast<unsigned short>((pair & 0xffu) << 8);
+      h.y = static_cast<unsigned short>(pair & 0xff00u);
+    } else {
+      h = __nv_cvt_fp8x2_to_halfraw2(pair, kind);
+    }
+    if constexpr (std::is_same_v<T, __half>) {
+      w[i] = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+    } else {
+      __half_raw lo, hi;
+      lo.x = h.x, hi.x = h.y;
+      w[i] = pack2<T>(from_float<T>(__half2float(__half(lo))),
+                      from_float<T>(__half2float(__half(hi))));
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The K/V copies of one thread (see the top of the file). Buffers: tile index % 2.
+template <typename T, typename C, typename Cfg, int BN>
+struct TcCopy {
+  static constexpr int kPasses = BN / Cfg::kRowsPerPass;
+  static constexpr int kR = Cfg::kRowsPerPass;
+  static constexpr bool kFp8 = is_fp8<C>::value;
+  static constexpr bool kPrefetch = kFp8 && Cfg::kHead <= 128;
+  T* kd;  // this thread's chunk of its first row in K buffer 0; V's, Cfg::kKVElems * 2 further
+  RowOffsets (*row_off)[BN];
+  attn::KVRows<C, attn::MagicDiv> kv;
+  int tid, my_row, part_end;
+  bool chunk_in;
+  uint2 k_next[kPrefetch ? kPasses : 1], v_next[kPrefetch ? kPasses : 1];
+
+  __device__ __forceinline__ TcCopy(const PagedAttentionParams& p, const attn::AttentionTile& tile,
+                                    T* k_smem, RowOffsets (*offsets)[BN])
+      : kd(k_smem + (threadIdx.x / Cfg::kChunks) * Cfg::kStride + (threadIdx.x % Cfg::kChunks) * 8),
+        row_off(offsets),
+        kv(p, tile.seq, tile.kv_head, (threadIdx.x % Cfg::kChunks) * 8),
+        tid(threadIdx.x),
+        my_row(threadIdx.x / Cfg::kChunks),
+        part_end(tile.part_end),
+        chunk_in((threadIdx.x % Cfg::kChunks) * 8 < p.head_size) {}
+
+  __device__ __forceinline__ T* k_dst(int buf, int pass) const {
+    return kd + buf * Cfg::kKVElems + pass * kR * Cfg::kStride;
+  }
+  __device__ __forceinline__ T* v_dst(int buf, int pass) const {
+    return k_dst(buf, pass) + 2 * Cfg::kKVElems;
+  }
+  // fp8: this thread's K and V chunks of key t (zeros past the partition or the head).
+  __device__ __forceinline__ void load(int t, uint2& k, uint2& v) const {
+    k = v = make_uint2(0, 0);
+    if (t < part_end && chunk_in) {
+      uint32_t blk, off;
+      kv.locate(t, blk, off);
+      k = load_ro(reinterpret_cast<const uint2*>(kv.k_row(kv.k_offset(blk, off))), "kv");
+      v = load_ro(reinterpret_cast<const uint2*>(kv.v_row(kv.v_offset(blk, off))), "kv");
+    }
+  }
+  __device__ __forceinline__ void fetch(int key0) {
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      load(key0 + my_row + pass * kR, k_next[pass], v_next[pass]);
+    }
+  }
+  __device__ __forceinline__ void store(int buf) const {
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      *reinterpret_cast<uint4*>(k_dst(buf, pass)) = dequantize8<T, C>(k_next[pass]);
+      *reinterpret_cast<uint4*>(v_dst(buf, pass)) = dequantize8<T, C>(v_next[pass]);
+    }
+  }
+  __device__ __forceinline__ void load_store(int buf, int key0) const {  // one pass at a time
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      uint2 k, v;
+      load(key0 + my_row + pass * kR, k, v);
+      *reinterpret_cast<uint4*>(k_dst(buf, pass)) = dequantize8<T, C>(k);
+      *reinterpret_cast<uint4*>(v_dst(buf, pass)) = dequantize8<T, C>(v);
+    }
+  }
+  // 16-bit caches: the K and V row offsets of keys key0 .. key0 + BN - 1, one key per thread.
+  __device__ __forceinline__ void locate_rows(int buf, int key0) const {
+    if (tid < BN) {
+      const int t = key0 + tid;
+      RowOffsets x{0, 0};
+      if (t < part_end) {
+        uint32_t blk, off;
+        kv.locate(t, blk, off);
+        x = {kv.k_offset(blk, off), kv.v_offset(blk, off)};
+      }
+      row_off[buf][tid] = x;
+    }
+  }
+  // 16-bit caches: cp.async of this thread's chunks of the tile at key0 (located into buffer buf).
+  __device__ __forceinline__ void stage(int buf, int key0) const {
+    const int left = chunk_in ? part_end - key0 - my_row : 0;  // rows of mine: pass * kR < left
+    RowOffsets x[kPasses];  // all offsets first: no shared load waits between the copies
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) x[pass] = row_off[buf][my_row + pass * kR];
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int bytes = pass * kR < left ? 16 : 0;
+      const C* ks = kv.k_row(x[pass].k);
+      const C* vs = kv.v_row(x[pass].v);
+      note_read(ks, bytes, "kv");
+      tc::cp_async_16(k_dst(buf, pass), ks, bytes);
+      note_read(vs, bytes, "kv");
+      tc::cp_async_16(v_dst(buf, pass), vs, bytes);
+    }
+  }
+
+  // The pipeline. Before the first barrier: the first tile (fp8) or the first two tiles' row
+  // offsets; after it, start() stages tile 0 (16-bit).
+  __device__ __forceinline__ void prologue(int part_begin) {
+    if constexpr (kPrefetch) {
+      fetch(part_begin);
+      store(0);
+    } else if constexpr (!kFp8) {
+      locate_rows(0, part_begin);
+      locate_rows(1, part_begin + BN);
+    }
+  }
+  __device__ __forceinline__ void start(int part_begin) const {
+    if constexpr (!kFp8) {
+      stage(0, part_begin);
+      tc::cp_async_commit();
+    }
+  }
+  // Tile it (keys from key0) of n: before its barrier, the next tile's copies issued and this
+  // one's complete; after the barrier, the row offsets of tile it + 2 (read at tile it + 1's top);
+  // after its math, the fp8 tile in flight stored, or the barrier that frees this buffer.
+  __device__ __forceinline__ void before_tile(int it, int key0, int n) {
+    if constexpr (kPrefetch) {
+      if (it + 1 < n) fetch(key0 + BN);  // in flight during this tile's math
+    } else if constexpr (kFp8) {
+      load_store(it & 1, key0);  // the buffer was last read two tiles ago, before the last barrier
+    } else if (it + 1 < n) {
+      stage((it + 1) & 1, key0 + BN);
+      tc::cp_async_commit();
+      tc::cp_async_wait<1>();
+    } else {
+      tc::cp_async_wait<0>();
+    }
+  }
+  __device__ __forceinline__ void after_barrier(int it, int key0, int n) const {
+    if constexpr (!kFp8) {
+      if (it + 2 < n) locate_rows(it & 1, key0 + 2 * BN);
+    }
+  }
+  __device__ __forceinline__ void after_tile(int it, int n) const {
+    if constexpr (kPrefetch) {
+      // The other buffer was last read in the previous tile, before this tile's barrier.
+      if (it + 1 < n) store((it + 1) & 1);
+    } else if constexpr (!kFp8) {
+      __syncthreads();  // this buffer is staged again two tiles on
+    }
+  }
+};
+
+}  // namespace attn_tc
+}  // namespace PAGEDKV_KERNEL_NS
+}  // namespace pagedkv
