@@ -16,6 +16,8 @@ __all__ = ["count", "extra_key_bytes", "hashable", "number", "optional_count", "
 
 MAX_TOKEN_ID = (1 << 63) - 1
 """Token ids are stored (and hashed) as int64."""
+INT32_MAX = (1 << 31) - 1
+"""The largest count that fits the int32 tensors of the batch (block ids, lengths, offsets)."""
 
 
 def _as_int(value: Any, name: str) -> int:
@@ -31,19 +33,23 @@ def _as_int(value: Any, name: str) -> int:
             f"{name} must be an int, got {type(value).__name__} {value!r}") from None
 
 
-def count(value: Any, name: str) -> int:
-    """A non-negative int."""
+def count(value: Any, name: str, maximum: int | None = None) -> int:
+    """A non-negative int, at most ``maximum`` (``INT32_MAX`` where it becomes an int32)."""
     value = _as_int(value, name)
     if value < 0:
         raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidArgumentError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 
-def positive(value: Any, name: str) -> int:
-    """A positive int."""
+def positive(value: Any, name: str, maximum: int | None = None) -> int:
+    """A positive int, at most ``maximum`` (``INT32_MAX`` where it becomes an int32)."""
     value = _as_int(value, name)
     if value < 1:
         raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidArgumentError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -125,21 +131,22 @@ def _encode(key: Any, name: str, out: bytearray) -> None:
             f"key), got {type(key).__name__} {key!r}")
 
 
-def optional_count(value: Any, name: str) -> int | None:
-    """None or a non-negative int."""
-    return None if value is None else count(value, name)
+def optional_count(value: Any, name: str, maximum: int | None = None) -> int | None:
+    """None or a non-negative int, at most ``maximum``."""
+    return None if value is None else count(value, name, maximum)
 
 
 def query_lens(value: Any, num_seqs: int, name: str = "num_query_tokens") -> int | Sequence[int]:
-    """A positive int, or one positive int per sequence."""
+    """A positive int, or one positive int per sequence; each at most ``INT32_MAX`` (the query
+    lengths and their offsets are int32 tensors)."""
     if not isinstance(value, Sequence) and not hasattr(value, "__len__"):
-        return positive(value, name)
+        return positive(value, name, INT32_MAX)
     if hasattr(value, "tolist") and hasattr(value, "dtype"):
         value = token_ids(value, name)
     if len(value) != num_seqs:
         raise InvalidArgumentError(f"{name} must have one entry per sequence ({num_seqs}), got "
                                    f"{len(value)}")
-    return [positive(v, f"{name}[{i}]") for i, v in enumerate(value)]
+    return [positive(v, f"{name}[{i}]", INT32_MAX) for i, v in enumerate(value)]
 
 
 def number(value: Any, name: str, *, at_least: float | None = None, above: float | None = None,

@@ -1,7 +1,7 @@
 """Layer 3, block management: integer bookkeeping over a pool of block ids. The allocator
 (reference counts, LRU of cached blocks), the prefix cache (verified chained hashes), the
-manager (sequences -> block tables, copy-on-write, swaps, batch tensors) and the plans that carry
-its cache work to a ``PlanExecutor``.
+manager (sequences -> block tables, copy-on-write, swaps, batch tensors) with its sequence
+registry, and the plans that carry its cache work to a ``PlanExecutor``.
 
 May import ``pagedkv.cache``, ``pagedkv.ops`` and the base modules; never serving or tools.
 """
@@ -9,8 +9,8 @@ May import ``pagedkv.cache``, ``pagedkv.ops`` and the base modules; never servin
 from pagedkv.blocks.allocator import NULL_BLOCK, BlockAllocator
 from pagedkv.blocks.batch import PAD_BLOCK, BatchTensors
 from pagedkv.blocks.manager import BlockManager
-from pagedkv.blocks.plan import PHASES, CachePlan, PlanExecutor, cpu_cache_for
+from pagedkv.blocks.plan import PHASES, CachePlan, Phase, PlanExecutor, cpu_cache_for
 from pagedkv.blocks.prefix import PrefixCache
 
 __all__ = ["NULL_BLOCK", "PAD_BLOCK", "PHASES", "BatchTensors", "BlockAllocator", "BlockManager",
-           "CachePlan", "PlanExecutor", "PrefixCache", "cpu_cache_for"]
+           "CachePlan", "Phase", "PlanExecutor", "PrefixCache", "cpu_cache_for"]

@@ -43,7 +43,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, reserve_null_block: bool = False, name: str = "device"):
-        num_blocks = checks.count(num_blocks, "num_blocks")
+        num_blocks = checks.count(num_blocks, "num_blocks", checks.INT32_MAX)
         first = 1 if reserve_null_block else 0
         if num_blocks <= first:
             raise ValueError(f"BlockAllocator needs more than {first} blocks, got {num_blocks}")
@@ -95,6 +95,7 @@ class BlockAllocator:
         if type(num_blocks) is not int or num_blocks < 0:
             num_blocks = checks.count(num_blocks, "num_blocks")
         if num_blocks > len(self._free) + len(self._evictable):
+            checks.count(num_blocks, "num_blocks", checks.INT32_MAX)  # past int32: bad, not short
             raise OutOfBlocksError(num_blocks, self.num_available_blocks, self.name)
         free = self._free
         if num_blocks <= len(free):  # the common case: no eviction
@@ -200,7 +201,7 @@ class BlockAllocator:
         """Move up to ``num_blocks`` (default all) evictable blocks to the free stack, LRU first."""
         count = len(self._evictable)
         if num_blocks is not None:
-            count = min(count, checks.count(num_blocks, "num_blocks"))
+            count = min(count, checks.count(num_blocks, "num_blocks", checks.INT32_MAX))
         evicted = [self._evictable.popitem(last=False)[0] for _ in range(count)]
         for block in evicted:
             self._uncache(block)

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedkv import checks
 from pagedkv.blocks.allocator import NULL_BLOCK
+from pagedkv.errors import InvalidArgumentError
 
 __all__ = ["PAD_BLOCK", "PAD_SLOT", "BatchTensors", "BlockTableRows"]
 
@@ -82,26 +84,33 @@ class BlockTableRows:
         max_blocks: int | None = None,
         pad_tokens_to: int | None = None,
     ) -> BatchTensors:
-        """Batch tensors of the sequences in ``rows`` (intp) with ``seq_lens`` (int32) tokens."""
+        """Batch tensors of the sequences in ``rows`` (intp) with ``seq_lens`` (int32) tokens; the
+        other arguments as ``BlockManager.build_batch`` takes them (checked here)."""
         n = len(rows)
-        if isinstance(num_query_tokens, (int, np.integer)):  # one length for all: no broadcast
+        if type(num_query_tokens) is not int or not 0 < num_query_tokens <= checks.INT32_MAX:
+            num_query_tokens = checks.query_lens(num_query_tokens, n)
+        if max_blocks is not None or pad_tokens_to is not None:
+            max_blocks = checks.optional_count(max_blocks, "max_blocks", checks.INT32_MAX)
+            pad_tokens_to = checks.optional_count(pad_tokens_to, "pad_tokens_to",
+                                                  checks.INT32_MAX)
+        if isinstance(num_query_tokens, int):  # one length for all: no broadcast
             query_lens = np.full(n, num_query_tokens, dtype=np.int32)
-            if num_query_tokens < 1 or (n and seq_lens.min() < num_query_tokens):
-                raise ValueError("num_query_tokens must be in [1, seq_len] for every sequence")
+            if n and seq_lens.min() < num_query_tokens:
+                raise InvalidArgumentError(
+                    "num_query_tokens must be in [1, seq_len] for every sequence")
             query_start_loc = np.arange(0, (n + 1) * num_query_tokens, num_query_tokens,
                                         dtype=np.int32)
         else:
             query_lens = np.asarray(num_query_tokens, dtype=np.int32)
-            if query_lens.shape != (n,):
-                raise ValueError(f"num_query_tokens must be one int or {n} ints")
-            if n and (query_lens.min() < 1 or (query_lens > seq_lens).any()):
-                raise ValueError("num_query_tokens must be in [1, seq_len] for every sequence")
+            if n and (query_lens > seq_lens).any():
+                raise InvalidArgumentError(
+                    "num_query_tokens must be in [1, seq_len] for every sequence")
             query_start_loc = np.zeros(n + 1, dtype=np.int32)
             np.cumsum(query_lens, out=query_start_loc[1:])
         max_seq_len = int(seq_lens.max()) if n else 0
         width = max(-(-max_seq_len // self.block_size), max_blocks or 0)
         if max_blocks is not None and max_blocks < width:
-            raise ValueError(f"max_blocks={max_blocks} < {width} blocks of a sequence")
+            raise InvalidArgumentError(f"max_blocks={max_blocks} < {width} blocks of a sequence")
         if width > self.array.shape[1]:
             self._grow_columns(width)
         slots = self._slot_mapping(rows, seq_lens, query_lens, query_start_loc, pad_tokens_to)
@@ -126,6 +135,6 @@ class BlockTableRows:
         slots = blocks * self.block_size + positions % self.block_size
         if pad_to is not None:
             if pad_to < num_tokens:
-                raise ValueError(f"pad_tokens_to={pad_to} < {num_tokens} query tokens")
+                raise InvalidArgumentError(f"pad_tokens_to={pad_to} < {num_tokens} query tokens")
             slots = np.concatenate([slots, np.full(pad_to - num_tokens, PAD_SLOT, np.int64)])
         return slots

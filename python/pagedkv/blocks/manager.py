@@ -1,49 +1,23 @@
-"""BlockManager: sequences -> block tables over a pool of block ids, and the batch tensors.
-
-The manager is integer bookkeeping: it never touches a tensor. What its calls imply for the
-cache contents (copy-on-write, swaps, debug NaN fills) accumulates as a pending ``CachePlan``
-(``plan()``) that a ``PlanExecutor`` applies before the step's kernels; see ``pagedkv.blocks.plan``.
-"""
+"""BlockManager: sequences -> block tables over a pool of block ids, and the batch tensors."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedkv import checks
-from pagedkv.blocks.allocator import NULL_BLOCK, BlockAllocator
+from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.blocks.batch import BatchTensors, BlockTableRows
-from pagedkv.blocks.plan import PHASES, CachePlan
+from pagedkv.blocks.plan import CachePlan, PendingPlan, Phase
 from pagedkv.blocks.prefix import BlockKey, PrefixCache
-from pagedkv.errors import (
-    DoubleFreeError,
-    DuplicateSequenceError,
-    FreedSequenceError,
-    InvalidArgumentError,
-    OutOfBlocksError,
-    SequenceStateError,
-    UnknownSequenceError,
-)
+from pagedkv.blocks.sequences import SeqState, SequenceRegistry
+from pagedkv.errors import OutOfBlocksError
 
 __all__ = ["BlockManager"]
 
-_FREED_IDS_REMEMBERED = 4096
 _MAX_TOKEN_ID = checks.MAX_TOKEN_ID
-
-
-@dataclass(slots=True)
-class _Seq:
-    token_ids: list[int]
-    block_table: list[int]  # device blocks, or CPU blocks while swapped
-    block_keys: list[BlockKey]  # key of each full block (prefix caching only)
-    extra_key: Hashable
-    extra: bytes  # the canonical encoding of extra_key
-    row: int = -1  # row in BlockManager.tables while resident
-    swapped: bool = False
 
 
 class BlockManager:
@@ -59,9 +33,10 @@ class BlockManager:
         debug_nan: plans list freshly allocated, freed and evicted blocks (and the null block) for
             a NaN fill, so a read of stale or padding data shows up.
 
-    The cache work that calls imply is not done here: it accumulates in the pending plan
-    (``plan()``), which a ``PlanExecutor`` applies before the step's kernels run. Nothing else
-    reads or writes the cache, and ``build_batch`` only builds tensors.
+    The cache work that calls imply is not done here: it is recorded in a ``PendingPlan``
+    (``pagedkv.blocks.plan``; ``plan()`` is its snapshot), which a ``PlanExecutor`` applies before
+    the step's kernels run. Nothing else reads or writes the cache, and ``build_batch`` only
+    builds tensors.
 
     Contracts:
 
@@ -97,36 +72,24 @@ class BlockManager:
         reserve_null_block: bool = True,
         debug_nan: bool = False,
     ) -> None:
-        num_blocks = checks.positive(num_blocks, "num_blocks")
-        self.block_size = checks.positive(block_size, "block_size")
-        num_cpu_blocks = checks.count(num_cpu_blocks, "num_cpu_blocks")
+        num_blocks = checks.positive(num_blocks, "num_blocks", checks.INT32_MAX)
+        self.block_size = checks.positive(block_size, "block_size", checks.INT32_MAX)
+        num_cpu_blocks = checks.count(num_cpu_blocks, "num_cpu_blocks", checks.INT32_MAX)
         self.allocator = BlockAllocator(num_blocks, reserve_null_block, "device")
         self._ref_counts = self.allocator.ref_counts  # the allocator updates this list in place
         self.prefix_cache = (PrefixCache(self.allocator, self.block_size)
                              if enable_prefix_caching else None)
         self.cpu_allocator = BlockAllocator(num_cpu_blocks, name="cpu") if num_cpu_blocks else None
-        self._seqs: dict[Hashable, _Seq] = {}
-        self._freed: OrderedDict[Hashable, None] = OrderedDict()
+        self._sequences = SequenceRegistry()
+        self._seqs = self._sequences.by_id  # the registry updates this dict in place
         self.tables = BlockTableRows(self.block_size)
-        # The pending plan, keyed by destination: every destination is written once, and a
-        # source is never a destination (a read of a pending destination reads its source).
-        self._copies: dict[int, int] = {}  # device dst -> device src
-        self._swap_ins: dict[int, int] = {}  # device dst -> CPU src
-        self._swap_outs: dict[int, int] = {}  # CPU dst -> device src
-        self._pins: dict[int, int] = {}  # device block -> references held by pending copies
-        self._poison: set[int] | None = set() if debug_nan else None
-        self._version = 0
-        if debug_nan and reserve_null_block:
-            self._poison.add(NULL_BLOCK)
+        self._plan = PendingPlan(self.allocator, self.cpu_allocator, debug_nan)
 
     def __len__(self) -> int:
         return len(self._seqs)
 
     def __contains__(self, seq_id: Hashable) -> bool:
-        try:
-            return seq_id in self._seqs
-        except TypeError:
-            return False
+        return seq_id in self._sequences
 
     @property
     def seq_ids(self) -> list[Hashable]:
@@ -135,19 +98,20 @@ class BlockManager:
 
     @property
     def debug_nan(self) -> bool:
-        return self._poison is not None
+        """Whether plans NaN-fill stale blocks (``debug_nan`` of the constructor)."""
+        return self._plan.debug_nan
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens of the sequence."""
-        return len(self._get(seq_id).token_ids)
+        return len(self._sequences.get(seq_id).token_ids)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """A copy of the sequence's block table (CPU pool block ids while swapped out)."""
-        return list(self._get(seq_id).block_table)
+        return list(self._sequences.get(seq_id).block_table)
 
     def is_swapped(self, seq_id: Hashable) -> bool:
         """Whether the sequence lives in the CPU pool."""
-        return self._get(seq_id).swapped
+        return self._sequences.get(seq_id).swapped
 
     def usage(self) -> dict[str, float]:
         """Counts for logs and dashboards: sequences, device blocks used / evictable (cached) /
@@ -163,35 +127,14 @@ class BlockManager:
 
     # -- sequences ---------------------------------------------------------------------------
 
-    def _get(self, seq_id: Hashable) -> _Seq:
-        try:
-            seq = self._seqs.get(seq_id)
-        except TypeError:
-            checks.hashable(seq_id, "seq_id")  # raises
-        if seq is not None:
-            return seq
-        if seq_id in self._freed:
-            raise FreedSequenceError(f"sequence {seq_id!r} was freed")
-        raise UnknownSequenceError(f"unknown sequence {seq_id!r} ({len(self._seqs)} managed)")
-
-    def _resident(self, seq_id: Hashable) -> _Seq:
-        seq = self._get(seq_id)
-        if seq.swapped:
-            raise SequenceStateError(f"sequence {seq_id!r} is swapped out; swap_in first")
-        return seq
-
-    def _check_new_id(self, seq_id: Hashable, name: str = "seq_id") -> None:
-        checks.hashable(seq_id, name)
-        if seq_id in self._seqs:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
-
-    def _prompt_hits(self, token_ids: list[int], extra: bytes) -> tuple[list[int], list[BlockKey]]:
-        """Cached blocks to reuse and their keys, looked up within ``token_ids[:-1]`` so that at
-        least one token is left to compute."""
-        if self.prefix_cache is None or not token_ids:
+    def _hits(self, token_ids: list[int], extra: bytes,
+              prompt: bool = True) -> tuple[list[int], list[BlockKey]]:
+        """Cached blocks to reuse and their keys; in a prompt, within ``token_ids[:-1]`` so that
+        at least one token is left to compute."""
+        if self.prefix_cache is None:
             return [], []
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        return self.prefix_cache._match(token_ids, extra, max_blocks)
+        max_blocks = (len(token_ids) - 1) // self.block_size if prompt else None
+        return self.prefix_cache.lookup(token_ids, extra, max_blocks)
 
     def _num_needed(self, hits: list[int], num_blocks: int) -> int:
         """Blocks the pool gives up for a table of ``num_blocks`` that starts with ``hits``."""
@@ -204,12 +147,12 @@ class BlockManager:
             raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
         for block in hits:
             self.allocator.incref(block)
-        return hits + self._allocate(num_blocks - len(hits), destination)
+        return hits + self._plan.allocate(num_blocks - len(hits), destination)
 
     def can_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> bool:
         """Whether ``add_sequence(.., token_ids, extra_key)`` would find enough blocks."""
         token_ids = checks.token_ids(token_ids)
-        hits, _ = self._prompt_hits(token_ids, checks.extra_key_bytes(extra_key))
+        hits, _ = self._hits(token_ids, checks.extra_key_bytes(extra_key))
         return self.allocator.can_allocate(self._num_needed(hits, self._blocks_for(len(token_ids))))
 
     def add_sequence(
@@ -223,12 +166,12 @@ class BlockManager:
         than len(token_ids)): their K/V are already in the cache; the caller computes and writes
         the rest.
         """
-        self._check_new_id(seq_id)
+        self._sequences.check_new(seq_id)
         token_ids = checks.token_ids(token_ids)
         extra = checks.extra_key_bytes(extra_key)
-        hits, keys = self._prompt_hits(token_ids, extra)
+        hits, keys = self._hits(token_ids, extra)
         table = self._take(hits, self._blocks_for(len(token_ids)))
-        seq = _Seq(token_ids, table, keys, extra_key, extra)
+        seq = SeqState(token_ids, table, keys, extra_key, extra)
         self._register_full_blocks(seq)
         self._admit(seq_id, seq)
         num_cached = len(hits) * self.block_size
@@ -238,21 +181,20 @@ class BlockManager:
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether ``append_tokens`` of ``num_tokens`` tokens would find enough blocks."""
-        num_tokens = checks.count(num_tokens, "num_tokens")
-        return self.allocator.can_allocate(self._blocks_to_append(self._resident(seq_id),
+        num_tokens = checks.count(num_tokens, "num_tokens", checks.INT32_MAX)
+        return self.allocator.can_allocate(self._blocks_to_append(self._sequences.resident(seq_id),
                                                                   num_tokens))
 
-    def _blocks_to_append(self, seq: _Seq, num_tokens: int) -> int:
+    def _blocks_to_append(self, seq: SeqState, num_tokens: int) -> int:
         num_old = len(seq.token_ids)
         new = self._blocks_for(num_old + num_tokens) - len(seq.block_table)
         cow = num_tokens > 0 and num_old % self.block_size != 0 and self._last_block_shared(seq)
         return new + cow
 
-    def _last_block_shared(self, seq: _Seq) -> bool:
+    def _last_block_shared(self, seq: SeqState) -> bool:
         """Whether another sequence holds the last block (references held by pending copies do
         not count: a copy reads its source before the step's kernels write it)."""
-        last = seq.block_table[-1]
-        return self._ref_counts[last] - self._pins.get(last, 0) > 1
+        return self._plan.holders(seq.block_table[-1]) > 1
 
     def append_tokens(
         self, seq_id: Hashable, token_ids: int | Sequence[int]
@@ -268,7 +210,7 @@ class BlockManager:
         except TypeError:
             seq = None
         if seq is None or seq.swapped:
-            seq = self._resident(seq_id)  # raises unless seq_id is a resident sequence
+            seq = self._sequences.resident(seq_id)  # raises unless seq_id is a resident sequence
         num_old, size = len(seq.token_ids), self.block_size
         if type(token_ids) is int and 0 <= token_ids <= _MAX_TOKEN_ID:
             if num_old % size and self._ref_counts[seq.block_table[-1]] == 1:  # decode fast path
@@ -289,7 +231,7 @@ class BlockManager:
             self._register_full_blocks(seq)
         return pairs
 
-    def _make_room(self, seq: _Seq, num_tokens: int) -> list[tuple[int, int]]:
+    def _make_room(self, seq: SeqState, num_tokens: int) -> list[tuple[int, int]]:
         needed = self._blocks_to_append(seq, num_tokens)
         if not self.allocator.can_allocate(needed):
             raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
@@ -297,25 +239,17 @@ class BlockManager:
         if len(seq.token_ids) % self.block_size and self._last_block_shared(seq):
             pairs.append(self._copy_on_write(seq))
         start = len(seq.block_table)
-        seq.block_table += self._allocate(self._blocks_for(len(seq.token_ids) + num_tokens) - start)
+        num_blocks = self._blocks_for(len(seq.token_ids) + num_tokens)
+        seq.block_table += self._plan.allocate(num_blocks - start)
         self.tables.write(seq.row, seq.block_table, start)
         return pairs
 
-    def _copy_on_write(self, seq: _Seq) -> tuple[int, int]:
+    def _copy_on_write(self, seq: SeqState) -> tuple[int, int]:
         """Give the sequence a private copy of its shared last block (queued in the plan)."""
         old = seq.block_table[-1]
-        (new,) = self._allocate(1, destination=True)
-        cpu_src = self._swap_ins.get(old)
-        if cpu_src is not None:  # old is itself waiting for a swap-in: copy from its CPU block
-            self.cpu_allocator.incref(cpu_src)
-            self._swap_ins[new] = cpu_src
-        else:  # old may be waiting for a copy itself (a fork chain): copy from its source
-            src = self._copies.get(old, old)
-            self.allocator.incref(src)
-            self._pin(src)
-            self._copies[new] = src
-        self._version += 1
-        self._release_blocks([old])  # the sequence's reference; another sequence holds it
+        (new,) = self._plan.allocate(1, destination=True)
+        self._plan.copy(old, new)
+        self._plan.release([old])  # the sequence's reference; another sequence holds it
         seq.block_table[-1] = new
         self.tables.write(seq.row, seq.block_table, len(seq.block_table) - 1)
         return old, new
@@ -324,28 +258,22 @@ class BlockManager:
         """Make ``child_id`` a copy of ``parent_id`` sharing all its blocks (copy-on-write).
 
         The parent's K/V must be written already (see the class contracts)."""
-        parent = self._resident(parent_id)
-        self._check_new_id(child_id, "child_id")
+        parent = self._sequences.resident(parent_id)
+        self._sequences.check_new(child_id, "child_id")
         for block in parent.block_table:
             self.allocator.incref(block)
-        child = _Seq(list(parent.token_ids), list(parent.block_table),
-                     list(parent.block_keys), parent.extra_key, parent.extra)
+        child = SeqState(list(parent.token_ids), list(parent.block_table),
+                         list(parent.block_keys), parent.extra_key, parent.extra)
         self._admit(child_id, child)
 
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's blocks (cached full blocks stay cached, evictable)."""
-        checks.hashable(seq_id, "seq_id")
-        if seq_id in self._freed and seq_id not in self._seqs:
-            raise DoubleFreeError(f"sequence {seq_id!r} was already freed")
-        seq = self._get(seq_id)
+        seq = self._sequences.to_free(seq_id)
         if seq.swapped:
             self.cpu_allocator.free(seq.block_table)
         else:
             self._release(seq)
-        del self._seqs[seq_id]
-        self._freed[seq_id] = None
-        if len(self._freed) > _FREED_IDS_REMEMBERED:
-            self._freed.popitem(last=False)
+        self._sequences.remove(seq_id)
 
     # -- swapping ------------------------------------------------------------------------------
 
@@ -353,62 +281,34 @@ class BlockManager:
         """Move a sequence to the CPU pool. Returns the (device block, CPU block) pairs queued.
 
         A block still waiting to be swapped in keeps its CPU block (nothing to copy)."""
-        seq = self._resident(seq_id)
-        cpu = self.cpu_allocator
-        reused = [self._swap_ins.get(block) for block in seq.block_table]
-        needed = reused.count(None)
-        if cpu is None or not cpu.can_allocate(needed):
-            raise OutOfBlocksError(needed, cpu.num_available_blocks if cpu else 0, "cpu")
-        fresh = iter(self._allocate_cpu(needed))
-        cpu_table, pairs = [], []
-        for block, cpu_block in zip(seq.block_table, reused, strict=True):
-            if cpu_block is None:
-                cpu_block = next(fresh)
-                self._swap_outs[cpu_block] = self._copies.get(block, block)
-                pairs.append((block, cpu_block))
-            else:
-                cpu.incref(cpu_block)
-            cpu_table.append(cpu_block)
-        self._version += 1
+        seq = self._sequences.resident(seq_id)
+        cpu_table, pairs = self._plan.swap_out(seq.block_table)
         self._release(seq)
         seq.block_table, seq.swapped = cpu_table, True
         return pairs
 
     def can_swap_in(self, seq_id: Hashable) -> bool:
         """Whether the device pool has room for the swapped-out sequence."""
-        seq = self._swapped(seq_id)
-        needed = self._num_needed(self._swap_in_hits(seq)[0], len(seq.block_table))
+        seq = self._sequences.swapped(seq_id)
+        needed = self._num_needed(self._hits(seq.token_ids, seq.extra, False)[0],
+                                  len(seq.block_table))
         return self.allocator.can_allocate(needed)
-
-    def _swapped(self, seq_id: Hashable) -> _Seq:
-        seq = self._get(seq_id)
-        if not seq.swapped:
-            raise SequenceStateError(f"sequence {seq_id!r} is not swapped out")
-        return seq
-
-    def _swap_in_hits(self, seq: _Seq) -> tuple[list[int], list[BlockKey]]:
-        if self.prefix_cache is None:
-            return [], []
-        return self.prefix_cache._match(seq.token_ids, seq.extra, None)
 
     def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Bring a swapped-out sequence back to the device. Returns the (CPU, device) pairs queued.
 
         Blocks of its prefix that are still in the prefix cache are reused, not copied.
         """
-        seq = self._swapped(seq_id)
-        hits, keys = self._swap_in_hits(seq)
+        seq = self._sequences.swapped(seq_id)
+        hits, keys = self._hits(seq.token_ids, seq.extra, prompt=False)
         table = self._take(hits, len(seq.block_table), destination=True)
         num_hits = len(hits)
         pairs = list(zip(seq.block_table[num_hits:], table[num_hits:], strict=True))
-        for cpu_block, block in pairs:  # the sequence's CPU references now belong to the plan
-            self._swap_ins[block] = cpu_block
-        self._version += 1
+        self._plan.swap_in(pairs)  # the sequence's CPU references now belong to the plan
         self.cpu_allocator.free(seq.block_table[:num_hits])
         seq.block_table, seq.swapped, seq.block_keys = table, False, keys
         self._register_full_blocks(seq)
-        seq.row = self.tables.take()
-        self.tables.write(seq.row, seq.block_table)
+        self._take_row(seq)
         return pairs
 
     # -- the plan ------------------------------------------------------------------------------
@@ -416,131 +316,49 @@ class BlockManager:
     @property
     def num_pending_swaps(self) -> int:
         """Blocks the pending plan moves between the device and the CPU pool (out and in)."""
-        return len(self._swap_outs) + len(self._swap_ins)
+        return self._plan.num_swaps
 
     def plan(self) -> CachePlan:
         """A snapshot of the pending cache work (see ``pagedkv.blocks.plan``); changes nothing."""
-        return CachePlan(
-            swap_out=tuple((src, dst) for dst, src in self._swap_outs.items()),
-            copies=tuple((src, dst) for dst, src in self._copies.items()),
-            swap_in=tuple((src, dst) for dst, src in self._swap_ins.items()),
-            poison=tuple(sorted(self._poison)) if self._poison else (),
-            version=self._version,
-        )
+        return self._plan.snapshot()
 
-    def complete(self, plan: CachePlan, phase: str) -> None:
+    def complete(self, plan: CachePlan, phase: Phase | str) -> None:
         """Record that ``plan``'s ``phase`` was applied to the cache (the executor calls this).
 
         Raises, changing nothing, when the plan is not the pending one (the manager changed
         since ``plan()``) or the phase is unknown."""
-        if not isinstance(plan, CachePlan) or plan.version != self._version:
-            raise InvalidArgumentError("plan is not the pending plan: the manager changed since "
-                                       "plan() took it; take a new one")
-        if phase not in PHASES:
-            raise InvalidArgumentError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
-        version = self._version  # completing a phase leaves the rest of the snapshot valid
-        if phase == "swap_out":
-            self._swap_outs.clear()
-        elif phase == "copies":
-            sources = list(self._copies.values())
-            self._copies.clear()
-            for src in sources:
-                self._unpin(src)
-            self._release_blocks(sources)
-        elif phase == "swap_in":
-            if self._swap_ins:
-                sources = list(self._swap_ins.values())
-                self._swap_ins.clear()
-                self.cpu_allocator.free(sources)
-        elif self._poison:
-            self._poison.difference_update(plan.poison)
-        self._version = version
+        self._plan.complete(plan, phase)
 
     def evict_cached(self, num_blocks: int | None = None) -> list[int]:
         """Drop up to ``num_blocks`` (default all) unreferenced cached blocks, LRU first."""
-        evicted = self.allocator.evict(checks.optional_count(num_blocks, "num_blocks"))
-        if self._poison is not None and evicted:
-            self._poison.update(evicted)
-            self._version += 1
+        num_blocks = checks.optional_count(num_blocks, "num_blocks", checks.INT32_MAX)
+        evicted = self.allocator.evict(num_blocks)
+        self._plan.poison(evicted)
         return evicted
 
     # -- blocks --------------------------------------------------------------------------------
 
-    def _allocate(self, num_blocks: int, destination: bool = False) -> list[int]:
-        """Fresh device blocks. A pending write into one of them is dropped (its content is
-        dead); a destination of the plan is not poisoned (the plan writes it)."""
-        if not num_blocks:
-            return []
-        blocks = self.allocator.allocate(num_blocks)
-        if self._copies or self._swap_ins:
-            for block in blocks:
-                self._cancel_write(block)
-        if self._poison is not None:
-            if destination:
-                self._poison.difference_update(blocks)
-            else:
-                self._poison.update(blocks)
-            self._version += 1
-        return blocks
-
-    def _cancel_write(self, block: int) -> None:
-        src = self._copies.pop(block, None)
-        if src is not None:
-            self._version += 1
-            self._unpin(src)
-            self._release_blocks([src])
-        cpu_src = self._swap_ins.pop(block, None)
-        if cpu_src is not None:
-            self._version += 1
-            self.cpu_allocator.free([cpu_src])
-
-    def _pin(self, block: int) -> None:
-        """Count a reference that a pending copy holds on its source ``block``."""
-        self._pins[block] = self._pins.get(block, 0) + 1
-
-    def _unpin(self, block: int) -> None:
-        left = self._pins[block] - 1
-        if left:
-            self._pins[block] = left
-        else:
-            del self._pins[block]
-
-    def _allocate_cpu(self, num_blocks: int) -> list[int]:
-        blocks = self.cpu_allocator.allocate(num_blocks) if num_blocks else []
-        if self._swap_outs:
-            for block in blocks:
-                if self._swap_outs.pop(block, None) is not None:
-                    self._version += 1
-        return blocks
-
-    def _release_blocks(self, blocks: list[int]) -> None:
-        released = self.allocator.free(blocks)
-        if self._poison is not None and released:
-            self._poison.update(released)
-            self._version += 1
-
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, seq: SeqState) -> None:
         """Drop a resident sequence's references and its block-table row."""
-        self._release_blocks(seq.block_table[::-1])  # the tail is evicted first
+        self._plan.release(seq.block_table[::-1])  # the tail is evicted first
         self.tables.release(seq.row, len(seq.block_table))
         seq.row = -1
 
-    def _register_full_blocks(self, seq: _Seq) -> None:
-        if self.prefix_cache is None:
-            return
-        size, keys, register = self.block_size, seq.block_keys, self.prefix_cache._register
-        for i in range(len(keys), len(seq.token_ids) // size):
-            keys.append(register(seq.block_table[i], keys[-1] if keys else None,
-                                 seq.token_ids[i * size:(i + 1) * size], seq.extra))
+    def _register_full_blocks(self, seq: SeqState) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.register_blocks(seq.block_table, seq.token_ids, seq.extra,
+                                              seq.block_keys)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _admit(self, seq_id: Hashable, seq: _Seq) -> None:
+    def _admit(self, seq_id: Hashable, seq: SeqState) -> None:
+        self._take_row(seq)
+        self._sequences.add(seq_id, seq)
+
+    def _take_row(self, seq: SeqState) -> None:
         seq.row = self.tables.take()
         self.tables.write(seq.row, seq.block_table)
-        self._seqs[seq_id] = seq
-        self._freed.pop(seq_id, None)
 
     # -- batches -------------------------------------------------------------------------------
 
@@ -560,30 +378,8 @@ class BlockManager:
         sequence), one int for all or one per sequence. ``max_blocks`` fixes the block-table width
         and ``pad_tokens_to`` the slot_mapping length (padded with -1), e.g. for CUDA graphs.
         """
-        try:
-            if isinstance(seq_ids, (str, bytes)):  # one id, not a sequence of ids
-                raise TypeError
-            seqs = list(map(self._seqs.__getitem__, seq_ids))
-        except (KeyError, TypeError):
-            if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
-                raise InvalidArgumentError(
-                    f"seq_ids must be a sequence of sequence ids, got {type(seq_ids).__name__}"
-                ) from None
-            seqs = [self._get(seq_id) for seq_id in seq_ids]
-        n = len(seqs)
-        if type(num_query_tokens) is not int or num_query_tokens < 1:
-            num_query_tokens = checks.query_lens(num_query_tokens, n)
-        rows = np.fromiter([seq.row for seq in seqs], np.intp, n)
-        if n:
-            if rows.min() < 0:
-                seqs = [self._resident(seq_id) for seq_id in seq_ids]  # raises
-            if n > 1 and np.bincount(rows).max() > 1:
-                counts = np.bincount(rows)
-                dup = next(s for s, seq in zip(seq_ids, seqs, strict=True) if counts[seq.row] > 1)
-                raise InvalidArgumentError(f"seq_ids names sequence {dup!r} more than once")
-        seq_lens = np.fromiter([len(seq.token_ids) for seq in seqs], np.int32, n)
-        if max_blocks is not None or pad_tokens_to is not None:
-            max_blocks = checks.optional_count(max_blocks, "max_blocks")
-            pad_tokens_to = checks.optional_count(pad_tokens_to, "pad_tokens_to")
+        seqs = self._sequences.many(seq_ids)
+        rows = self._sequences.rows(seq_ids, seqs)
+        seq_lens = np.fromiter([len(seq.token_ids) for seq in seqs], np.int32, len(seqs))
         return self.tables.build(rows, seq_lens, num_query_tokens, device=device,
                                  max_blocks=max_blocks, pad_tokens_to=pad_tokens_to)

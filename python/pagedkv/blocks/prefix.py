@@ -103,7 +103,8 @@ class PrefixCache:
         if not isinstance(allocator, BlockAllocator):
             raise InvalidArgumentError(
                 f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
-        self.allocator, self.block_size = allocator, checks.positive(block_size, "block_size")
+        self.block_size = checks.positive(block_size, "block_size", checks.INT32_MAX)
+        self.allocator = allocator
         self.stats = PrefixCacheStats()
         self._by_hash: dict[bytes, _Entry] = {}
         self._by_block: dict[int, _Entry] = {}
@@ -129,11 +130,15 @@ class PrefixCache:
         Looks at most ``max_blocks`` full blocks. Changes nothing (no reference is taken).
         """
         token_ids = checks.token_ids(token_ids)
-        max_blocks = checks.optional_count(max_blocks, "max_blocks")
-        return self._match(token_ids, checks.extra_key_bytes(extra_key), max_blocks)
+        max_blocks = checks.optional_count(max_blocks, "max_blocks", checks.INT32_MAX)
+        return self.lookup(token_ids, checks.extra_key_bytes(extra_key), max_blocks)
 
-    def _match(self, token_ids: list[int], extra: bytes,
-               max_blocks: int | None) -> tuple[list[int], list[BlockKey]]:
+    def lookup(self, token_ids: list[int], extra: bytes,
+               max_blocks: int | None = None) -> tuple[list[int], list[BlockKey]]:
+        """``match`` of arguments their owner checked already: ``token_ids`` as
+        ``checks.token_ids`` returns them, ``extra`` the extra key as ``checks.extra_key_bytes``
+        encodes it, ``max_blocks`` None or a count (the BlockManager's path: it checks a prompt
+        once, where it enters)."""
         size = self.block_size
         limit = len(token_ids) // size
         if max_blocks is not None:
@@ -154,8 +159,8 @@ class PrefixCache:
 
     def record_query(self, query_tokens: int, hit_tokens: int) -> None:
         """Count one lookup of ``query_tokens`` tokens of which ``hit_tokens`` were cached."""
-        query_tokens = checks.count(query_tokens, "query_tokens")
-        hit_tokens = checks.count(hit_tokens, "hit_tokens")
+        query_tokens = checks.count(query_tokens, "query_tokens", checks.INT32_MAX)
+        hit_tokens = checks.count(hit_tokens, "hit_tokens", checks.INT32_MAX)
         if hit_tokens > query_tokens:
             raise InvalidArgumentError(f"hit_tokens ({hit_tokens}) > query_tokens ({query_tokens})")
         self.stats.queries += 1
@@ -184,6 +189,17 @@ class PrefixCache:
                 f"parent must be a (hash, entry id) key from match or register, or None; got "
                 f"{parent!r}")
         return self._register(block, parent, token_ids, checks.extra_key_bytes(extra_key))
+
+    def register_blocks(self, blocks: list[int], token_ids: list[int], extra: bytes,
+                        keys: list[BlockKey]) -> None:
+        """Register the full blocks of a sequence that ``keys`` does not cover yet, appending
+        their keys to it: block i of ``blocks`` holds ``token_ids[i * block_size:]``'s first
+        block_size tokens, and ``keys`` are the keys of the blocks before. Arguments as the
+        owner checked them (see ``lookup``): the BlockManager calls this as blocks fill up."""
+        size = self.block_size
+        for i in range(len(keys), len(token_ids) // size):
+            keys.append(self._register(blocks[i], keys[-1] if keys else None,
+                                       token_ids[i * size:(i + 1) * size], extra))
 
     def _register(self, block: int, parent: BlockKey | None, token_ids: list[int],
                   extra: bytes) -> BlockKey:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedkv import ops
+from pagedkv import checks, ops
 from pagedkv.cache.spec import KVCacheSpec
 
 __all__ = ["PagedKVCache", "zeros_kv"]
@@ -71,8 +71,7 @@ class PagedKVCache:
         combined_kv: bool = False,
         pin_memory: bool = False,
     ) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"PagedKVCache needs num_blocks > 0, got {num_blocks}")
+        num_blocks = checks.positive(num_blocks, "num_blocks", checks.INT32_MAX)
         self.spec, self.num_blocks, self.device = spec, num_blocks, torch.device(device)
         pin = pin_memory and self.device.type == "cpu"
         shape = (num_blocks, *spec.block_shape)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv import checks
+
 __all__ = ["CACHE_DTYPES", "FP8_DTYPES", "KVCacheSpec"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -42,9 +44,8 @@ class KVCacheSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"KVCacheSpec.{name} must be a positive int, got {value!r}")
+            value = checks.positive(getattr(self, name), f"KVCacheSpec.{name}", checks.INT32_MAX)
+            object.__setattr__(self, name, value)  # a numpy or 0-d tensor int as a Python int
         if self.kv_dtype not in CACHE_DTYPES:
             names = ", ".join(str(d) for d in CACHE_DTYPES)
             raise ValueError(f"KVCacheSpec cache dtype {self.kv_dtype} is not one of {names}")
