@@ -1,9 +1,10 @@
-// Two versions of the CPU attention kernel (cpu/attention_kernel.h) in one process, called
+// Two versions of the CPU attention kernels (cpu/attention_kernels.inc) in one process, called
 // alternately on the same batch, each call followed by a probe: on a shared machine whose speed
 // drifts from minute to minute, the ratio of the two and each one's fraction of the probe stay
 // comparable. Decode is followed by a read of 256 MiB (the bandwidth probe); prefill by 12
 // independent chains of AVX2 FMAs on every thread for about 5 ms (the FMA probe). Built and run
-// by bench/cpu_attention_ab.sh, which puts the two versions' headers in ab_a/ and ab_b/.
+// by bench/cpu_attention_ab.sh, which puts the two versions' kernel files in ab_a/ and ab_b/,
+// each with a kernels.inc that includes the version's entry file.
 //
 //   cpu_attention_ab SEQS CONTEXT DTYPE(bf16|fp32) REPS THREADS [huge] [new=N] [kv=H]
 //                    [rows=RA,RB]
@@ -39,10 +40,10 @@
 #pragma GCC target("avx2,fma,f16c")
 #define PKV_ISA 1
 namespace pagedkv::cpu::version_a {
-#include "ab_a/attention_kernel.h"
+#include "ab_a/kernels.inc"
 }
 namespace pagedkv::cpu::version_b {
-#include "ab_b/attention_kernel.h"
+#include "ab_b/kernels.inc"
 }
 #pragma GCC pop_options
 
