@@ -276,7 +276,6 @@ int main(int argc, char** argv) {
       if (prefill) {  // per CPU second, both: the machine may be shared
         rate = fma_probe(threads, 5e-3);
         fraction[version].push_back(flops / cpu / 1e9 / rate);
-        cpu_ms[version].push_back(cpu * 1e3);
       } else {
         volatile double sink = probe(probe_buffer, threads);
         (void)sink;
@@ -285,6 +284,7 @@ int main(int argc, char** argv) {
         fraction[version].push_back((kv_bytes / op) / (probe_bytes / pr));
       }
       ms[version].push_back(op * 1e3);
+      cpu_ms[version].push_back(cpu * 1e3);
       probe_rate.push_back(rate);
     }
   }
@@ -303,10 +303,10 @@ int main(int argc, char** argv) {
                 bf16 ? "bf16" : "fp32", threads, huge ? ", huge pages" : "", median(probe_rate),
                 reps * 2);
     for (int v = 0; v < 2; ++v)
-      std::printf("  %s  %7.3f ms  %3.0f%% of the probe's bandwidth\n", v ? "B" : "A",
-                  median(ms[v]), 100 * median(fraction[v]));
+      std::printf("  %s  %7.3f ms (%8.3f CPU ms)  %3.0f%% of the probe's bandwidth\n",
+                  v ? "B" : "A", median(ms[v]), median(cpu_ms[v]), 100 * median(fraction[v]));
   }
-  std::printf("  B / A %.3f   outputs differ by at most %.3g\n", median(ms[1]) / median(ms[0]),
-              max_diff);
+  std::printf("  B / A %.3f (CPU time %.3f)   outputs differ by at most %.3g\n",
+              median(ms[1]) / median(ms[0]), median(cpu_ms[1]) / median(cpu_ms[0]), max_diff);
   return 0;
 }

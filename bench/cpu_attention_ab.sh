@@ -8,9 +8,9 @@
 # compiled side by side against B's csrc/cpu/attention_work.h (A's kernels must accept its
 # interface: B is the newer one). Defaults: 8 2048 bf16 30 $(nproc). new=N: chunked prefill of N
 # queries per sequence (the last N of CONTEXT), in items of as many query rows as each version's
-# attention.cpp plans. Needs g++ with AVX2; prints median times, each version's fraction of the
-# probe (decode: read bandwidth; prefill: FMA rate), B/A and the largest difference between
-# their outputs.
+# attention.cpp plans. Needs g++ with AVX2; prints median times (wall and CPU), each version's
+# fraction of the probe (decode: read bandwidth; prefill: FMA rate), B/A and the largest
+# difference between their outputs.
 set -euo pipefail
 [ $# -ge 2 ] || { sed -n '2,9p' "$0"; exit 2; }
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
