@@ -1,7 +1,7 @@
 // Merging attention results by their log-sum-exp: the partial results of split-K items, and
 // the merge_attn_states op.
 //
-// No include guard: part of cpu/attention_kernel.h, included once per instruction set.
+// No include guard: part of cpu/attention_kernels.inc, included once per instruction set.
 
 // dst = sum_i e^(lse_i - M) row_i / sum_i e^(lse_i - M) over count rows (row i at
 // rows + i * row_stride, its lse at lses[i * lse_stride]), M = max lse_i; returns the merged lse.

@@ -3,7 +3,7 @@
 // horizontal sum) take them from PKV_ISA: 0 portable, 1 AVX2 + FMA + F16C, 2 AVX-512F, 3 AVX-512F
 // with AVX512_BF16 (the vectors of 2; its bf16 dot products: dot_pairs).
 //
-// No include guard: included once per instruction set, by cpu/attention_kernel.h, inside
+// No include guard: included once per instruction set, by cpu/attention_kernels.inc, inside
 // namespace pagedkv::cpu::<isa> and under that set's target pragma (see attention_isa.inc).
 
 #if PKV_ISA >= 2

@@ -41,12 +41,12 @@
 #define PKV_ISA 0
 #define PKV_DOT_PAIRS 0
 namespace pagedkv::cpu::base_float {
-#include "cpu/attention_kernel.h"
+#include "cpu/attention_kernels.inc"
 }
 #undef PKV_DOT_PAIRS
 #define PKV_DOT_PAIRS 1
 namespace pagedkv::cpu::base_pairs {
-#include "cpu/attention_kernel.h"
+#include "cpu/attention_kernels.inc"
 }
 #undef PKV_ISA
 #undef PKV_DOT_PAIRS
@@ -56,12 +56,12 @@ namespace pagedkv::cpu::base_pairs {
 #define PKV_ISA 1
 #define PKV_DOT_PAIRS 0
 namespace pagedkv::cpu::avx2_float {
-#include "cpu/attention_kernel.h"
+#include "cpu/attention_kernels.inc"
 }
 #undef PKV_DOT_PAIRS
 #define PKV_DOT_PAIRS 1
 namespace pagedkv::cpu::avx2_pairs {
-#include "cpu/attention_kernel.h"
+#include "cpu/attention_kernels.inc"
 }
 #undef PKV_ISA
 #undef PKV_DOT_PAIRS
@@ -74,12 +74,12 @@ namespace pagedkv::cpu::avx2_pairs {
 #define PKV_ISA 2
 #define PKV_DOT_PAIRS 0
 namespace pagedkv::cpu::avx512_float {
-#include "cpu/attention_kernel.h"
+#include "cpu/attention_kernels.inc"
 }
 #undef PKV_DOT_PAIRS
 #define PKV_DOT_PAIRS 1
 namespace pagedkv::cpu::avx512_pairs {
-#include "cpu/attention_kernel.h"
+#include "cpu/attention_kernels.inc"
 }
 #undef PKV_ISA
 #undef PKV_DOT_PAIRS
@@ -90,12 +90,12 @@ namespace pagedkv::cpu::avx512_pairs {
 #define PKV_ISA 3
 #define PKV_DOT_PAIRS 0
 namespace pagedkv::cpu::avx512bf16_float {
-#include "cpu/attention_kernel.h"
+#include "cpu/attention_kernels.inc"
 }
 #undef PKV_DOT_PAIRS
 #define PKV_DOT_PAIRS 1  // vdpbf16ps itself
 namespace pagedkv::cpu::avx512bf16_pairs {
-#include "cpu/attention_kernel.h"
+#include "cpu/attention_kernels.inc"
 }
 #undef PKV_ISA
 #undef PKV_DOT_PAIRS
