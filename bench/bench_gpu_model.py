@@ -6,8 +6,9 @@ loop's instructions per byte it loads, by class. For the decode kernels: the est
 HBM bandwidth and time of the standard decode shapes on A100 / H100 / H200 (docs/gpu_model.md).
 For the tensor-core kernels (prefill and decode configurations, bf16 and fp8 caches, heads
 64/128/256) and FlashAttention-2's loop from the installed torch: instructions per HMMA of the
-loop's whole body and of its common path, HMMA / LDSM / LDGSTS per tile, and the estimated
-TFLOPS of the standard chunked prefill and GB/s of the GQA-8 decode.
+unmasked loop's whole body and of its common path, HMMA / LDSM / LDGSTS per tile, the masked
+boundary tile's common path, and the estimated TFLOPS of the standard chunked prefill and GB/s
+of the GQA-8 decode (boundary tiles at the masked cost; "masked": their share of the passes).
 Traffic (pagedkv._simt, skipped with --no-traffic): for the decode configurations (GQA 1/4/8,
 block size 1/16/256, bf16 and fp8 caches, HND and NHD) and the cache ops, K/V bytes requested over
 the minimal, sector efficiency and re-read factor, counted at a reduced size (bench.gpu_traffic).

@@ -32,6 +32,8 @@ loads (docs/gpu_model.md).
      guards that call or loop on its own. Inner loops count once. Where only one side (of an
      if, or of an if / else) holds tensor-core work (``HMMA``, ``LDGSTS``), that side runs:
      the next tile's copies, which every tile but the last issues.
+   - ``boundary``: in a pass of the boundary loop, a branch of which one side runs into the main
+     loop (starts in it or falls through to its head) takes the other side, the masked body.
 3. **Counts.** Each instruction of a block counts its block's weight; predicated instructions
    count too (they take an issue slot whatever their predicate). ``kv_bytes`` is 32 lanes times
    the width of the loop's widest ``LDG`` (16 B for 16-bit caches, 8 B for fp8) summed over those
