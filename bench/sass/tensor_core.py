@@ -240,7 +240,7 @@ class TcEstimate:
     device: str
     bound: str  # "issue", "tensor", "shared" or "hbm"
     clocks_per_pass: dict[str, float]  # per SM, under each limit, an interior (unmasked) pass
-    boundary_share: float  # of the passes: masked boundary tiles
+    boundary_share: float  # of the passes: boundary tiles priced at the masked cost
     seconds: float
     tflops: float
     fraction_of_peak: float  # of the dense bf16 peak
@@ -260,7 +260,8 @@ def estimate(cost: TileCost, device: DevicePreset, shape: Prefill | Decode, g: T
         raise ValueError(f"device {device.name} has no SM figures or no mma.sync rate")
     clocks = _clocks(cost, device)
     bound = max(clocks, key=clocks.get)
-    passes, masked = shape.passes(g), shape.boundary_passes(g) if boundary else 0
+    passes = shape.passes(g)
+    masked = shape.boundary_passes(g) if boundary is not None else 0
     total = (passes - masked) * clocks[bound]
     if masked:
         total += masked * max(_clocks(boundary, device).values())
@@ -270,7 +271,7 @@ def estimate(cost: TileCost, device: DevicePreset, shape: Prefill | Decode, g: T
         bound = "hbm"
     seconds = max(compute, memory)
     hbm = shape.hbm_bytes / seconds
-    return TcEstimate(device.name, bound, clocks, shape.boundary_passes(g) / passes, seconds,
+    return TcEstimate(device.name, bound, clocks, masked / passes, seconds,
                       shape.flops / seconds / 1e12, shape.flops / seconds / device.bf16_flops,
                       hbm, hbm / device.memory_bandwidth)
 
