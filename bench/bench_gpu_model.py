@@ -6,8 +6,9 @@ loop's instructions per byte it loads, by class. For the decode kernels: the est
 HBM bandwidth and time of the standard decode shapes on A100 / H100 / H200 (docs/gpu_model.md).
 For the tensor-core kernels (prefill and decode configurations, bf16 and fp8 caches, heads
 64/128/256) and FlashAttention-2's loop from the installed torch: instructions per HMMA of the
-loop's whole body and of its common path, HMMA / LDSM / LDGSTS per tile, and the estimated
-TFLOPS of the standard chunked prefill and GB/s of the GQA-8 decode.
+unmasked loop's whole body and of its common path, HMMA / LDSM / LDGSTS per tile, the masked
+boundary tile's common path, and the estimated TFLOPS of the standard chunked prefill and GB/s
+of the GQA-8 decode (boundary tiles at the masked cost; "masked": their share of the passes).
 Traffic (pagedkv._simt, skipped with --no-traffic): for the decode configurations (GQA 1/4/8,
 block size 1/16/256, bf16 and fp8 caches, HND and NHD) and the cache ops, K/V bytes requested over
 the minimal, sector efficiency and re-read factor, counted at a reduced size (bench.gpu_traffic).
@@ -156,13 +157,18 @@ def tensor_core_rows(kernels, usage) -> list[dict]:
 
 
 def _tile_row(kernel, usage) -> dict:
-    c = tc.tile_cost(kernel)
-    return {"registers": usage.get((kernel.arch, kernel.name), {}).get("REG", 0),
-            "body": c.static_instructions, "body_hmma": c.static_hmma,
-            "body_per_hmma": c.static_per_hmma, "instructions": c.instructions, "hmma": c.hmma,
-            "per_hmma": c.per_hmma, "ldsm": c.ldsm, "ldgsts": c.ldgsts,
-            "shared_bytes": c.shared_bytes,
-            "classes": {n: round(v, 1) for n, v in c.classes.items()}}
+    """The unmasked main loop's pass and, where the kernel has one, the masked boundary pass."""
+    c, m = tc.tile_cost(kernel), tc.boundary_cost(kernel)
+    row = {"registers": usage.get((kernel.arch, kernel.name), {}).get("REG", 0),
+           "body": c.static_instructions, "body_hmma": c.static_hmma,
+           "body_per_hmma": c.static_per_hmma, "instructions": c.instructions, "hmma": c.hmma,
+           "per_hmma": c.per_hmma, "ldsm": c.ldsm, "ldgsts": c.ldgsts,
+           "shared_bytes": c.shared_bytes,
+           "classes": {n: round(v, 1) for n, v in c.classes.items()}}
+    if m is not None:
+        row["masked"] = {"body": m.static_instructions, "instructions": m.instructions,
+                         "hmma": m.hmma, "per_hmma": m.per_hmma}
+    return row
 
 
 def tensor_core_estimates(kernels, devices) -> list[dict]:
@@ -176,7 +182,8 @@ def tensor_core_estimates(kernels, devices) -> list[dict]:
                                 ("decode", tc.Decode(cache_bytes=size))):
                 k = found.get((device.sass_arch, "bf16", cache, 128, kind))
                 if k is not None:
-                    est = tc.estimate(tc.tile_cost(k), device, shape, tc.geometry(k))
+                    est = tc.estimate(tc.tile_cost(k), device, shape, tc.geometry(k),
+                                      tc.boundary_cost(k))
                     rows.append({"case": f"{shape} {cache}", "kernel": f"pagedkv {kind}",
                                  **est.to_dict()})
         fa2, _ = fa2_kernel(device.sass_arch)
@@ -188,9 +195,10 @@ def tensor_core_estimates(kernels, devices) -> list[dict]:
 
 def print_tensor_core(rows: list[dict], estimates: list[dict]) -> None:
     print("\ntensor-core main loop, one pass = one warp x one key tile (body: every instruction "
-          "of the loop as laid out; path: the common path)")
+          "of the loop as laid out; path: the common path; masked: the boundary tile's path)")
     print(f"{'arch':<6}{'kind':<9}{'cache':<10}{'head':>5}{'regs':>5}{'body':>6}{'HMMA':>5}"
-          f"{'/HMMA':>6}{'path':>6}{'HMMA':>5}{'/HMMA':>6}{'LDSM':>5}{'LDGSTS':>7}{'shared B':>9}")
+          f"{'/HMMA':>6}{'path':>6}{'HMMA':>5}{'/HMMA':>6}{'LDSM':>5}{'LDGSTS':>7}{'shared B':>9}"
+          f"{'masked':>7}{'/HMMA':>6}")
     for r in rows:
         head = f"{r['arch']:<6}{r['kind']:<9}{r['cache']:<10}{r['head']:>5}"
         if "skipped" in r:
@@ -198,14 +206,16 @@ def print_tensor_core(rows: list[dict], estimates: list[dict]) -> None:
             continue
         print(f"{head}{r['registers'] or '-':>5}{r['body']:>6}{r['body_hmma']:>5}"
               f"{r['body_per_hmma']:>6.1f}{r['instructions']:>6.0f}{r['hmma']:>5.0f}"
-              f"{r['per_hmma']:>6.1f}{r['ldsm']:>5.0f}{r['ldgsts']:>7.0f}{r['shared_bytes']:>9.0f}")
+              f"{r['per_hmma']:>6.1f}{r['ldsm']:>5.0f}{r['ldgsts']:>7.0f}{r['shared_bytes']:>9.0f}"
+              + (f"{r['masked']['instructions']:>7.0f}{r['masked']['per_hmma']:>6.1f}"
+                 if "masked" in r else f"{'-':>7}{'-':>6}"))
     print(f"\n{'device':<11}{'case':<46}{'kernel':<16}{'bound':>7}{'clk issue/tc/smem':>19}"
-          f"{'TFLOPS':>7}{'of peak':>8}{'GB/s':>7}{'of HBM':>7}{'ms':>8}")
+          f"{'TFLOPS':>7}{'of peak':>8}{'GB/s':>7}{'of HBM':>7}{'ms':>8}{'masked':>7}")
     for e in estimates:
         clk = "/".join(f"{v:.0f}" for v in e["clocks_per_pass"].values())
         print(f"{e['device']:<11}{e['case']:<46}{e['kernel']:<16}{e['bound']:>7}{clk:>19}"
               f"{e['tflops']:>7.0f}{e['fraction_of_peak']:>8.0%}{e['bandwidth'] / 1e9:>7.0f}"
-              f"{e['fraction_of_hbm']:>7.0%}{e['seconds'] * 1e3:>8.3f}")
+              f"{e['fraction_of_hbm']:>7.0%}{e['seconds'] * 1e3:>8.3f}{e['boundary_share']:>7.1%}")
 
 
 def print_kernels(rows: list[dict]) -> None:

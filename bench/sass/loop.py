@@ -4,8 +4,15 @@ loads (docs/gpu_model.md).
 1. **The main loop.** Every backward branch ``BRA head`` at address ``a`` closes a loop
    ``[head, a]``; the main loop is the one whose body loads the most global bytes (the sum of its
    ``LDG`` and ``LDGSTS`` widths), the shortest on a tie. For attention that is the K/V loop; for
-   the cache kernels the copy loop. In a kernel with tensor-core loops it is the loop with the
-   most ``HMMA`` (then the most bytes, then the shortest): the key-tile loop, not a copy loop.
+   the cache kernels the copy loop. In a kernel with tensor-core loops it is the innermost loop
+   with ``HMMA`` (one that holds no other loop with ``HMMA``; of several, the one with the most
+   ``HMMA``, then the most bytes, then the shortest): the key-tile loop, not a copy loop, and
+   where the kernel nests its unmasked key-tile loop in a loop that also holds the masked body,
+   the unmasked one, which runs the interior tiles (the common path). A loop is nested in
+   another when its head is later and its back edge not after (back edges to one head close
+   one loop each, as for the decode kernels). The HMMA loop right around the main loop, if any,
+   is the boundary loop (``boundary_loop``): one pass of it outside the main loop is a masked
+   tile (``profile_loop(..., boundary=True)``).
 2. **The hot path of one iteration.** The loop body is cut into basic blocks; an iteration
    enters at the head with weight 1 and every conditional forward branch passes the weight to one
    side, by what its predicate tests (``Branch.kind``):
@@ -25,6 +32,8 @@ loads (docs/gpu_model.md).
      guards that call or loop on its own. Inner loops count once. Where only one side (of an
      if, or of an if / else) holds tensor-core work (``HMMA``, ``LDGSTS``), that side runs:
      the next tile's copies, which every tile but the last issues.
+   - ``boundary``: in a pass of the boundary loop, a branch of which one side runs into the main
+     loop (starts in it or falls through to its head) takes the other side, the masked body.
 3. **Counts.** Each instruction of a block counts its block's weight; predicated instructions
    count too (they take an issue slot whatever their predicate). ``kv_bytes`` is 32 lanes times
    the width of the loop's widest ``LDG`` (16 B for 16-bit caches, 8 B for fp8) summed over those
@@ -45,7 +54,7 @@ from dataclasses import dataclass, field
 
 from bench.sass.disasm import CLASSES, Instruction, Kernel, classify, load_bytes
 
-__all__ = ["Branch", "LoopProfile", "loops", "main_loop", "profile_loop"]
+__all__ = ["Branch", "LoopProfile", "boundary_loop", "loops", "main_loop", "profile_loop"]
 
 
 def loops(kernel: Kernel) -> list[tuple[int, int]]:
@@ -58,22 +67,46 @@ def loops(kernel: Kernel) -> list[tuple[int, int]]:
 
 
 def main_loop(kernel: Kernel) -> tuple[int, int] | None:
-    """The loop with the most HMMA, then the most global bytes loaded per pass (static), the
-    shortest on a tie; None when no loop loads from global memory."""
-    best, key = None, (0, 0, 0)
+    """The main loop (module docstring, 1): of the loops that load from global memory and hold
+    HMMA, the innermost (holding no other such loop), the one with the most HMMA, then the most
+    global bytes loaded per pass (static), then the shortest; in a kernel without HMMA the same
+    order on bytes alone. None when no loop loads from global memory."""
+    spans = _loop_spans(kernel)
+    tensor = [s for s in spans if spans[s][0]]
+    candidates = [s for s in tensor if not any(_holds(s, t) for t in tensor)] or list(spans)
+    return max(candidates, key=lambda s: (*spans[s], s[0] - s[1]), default=None)
+
+
+def boundary_loop(kernel: Kernel) -> tuple[int, int] | None:
+    """The HMMA loop right around the main loop (the key-tile loop that holds the masked body
+    beside the unmasked loop); None where the main loop is the outermost."""
+    inner = main_loop(kernel)
+    spans = _loop_spans(kernel)
+    around = [s for s in spans if inner and spans[s][0] and _holds(s, inner)]
+    return min(around, key=lambda s: s[1] - s[0], default=None)
+
+
+def _loop_spans(kernel: Kernel) -> dict[tuple[int, int], tuple[int, int]]:
+    """``(first, last) -> (HMMA, global bytes)`` of every loop that loads from global memory."""
+    spans = {}
     for first, last in loops(kernel):
         body = kernel.instructions[first:last + 1]
         loaded = sum(load_bytes(i) for i in body)
-        k = (sum(i.op == "HMMA" for i in body), loaded, -(last - first))
-        if loaded and k > key:
-            best, key = (first, last), k
-    return best
+        if loaded:
+            spans[first, last] = (sum(i.op == "HMMA" for i in body), loaded)
+    return spans
+
+
+def _holds(outer: tuple[int, int], inner: tuple[int, int]) -> bool:
+    """Whether loop ``inner`` is nested in ``outer``: its head later, its back edge not after
+    (two back edges to one head close one loop, not two nested ones)."""
+    return outer[0] < inner[0] and inner[1] <= outer[1]
 
 
 @dataclass(frozen=True, slots=True)
 class Branch:
     address: int
-    kind: str  # "rows", "config" or "data"
+    kind: str  # "rows", "config", "data" or "boundary"
     taken: float  # probability the scenario gives it
     test: str  # the instruction that set its predicate
 
@@ -111,14 +144,23 @@ class LoopProfile:
 
 
 @functools.lru_cache(maxsize=4096)
-def profile_loop(kernel: Kernel, rows: int = 4) -> LoopProfile | None:
-    """The hot path of ``kernel``'s main loop with ``rows`` query rows per tile (None: no loop)."""
-    span = main_loop(kernel)
+def profile_loop(kernel: Kernel, rows: int = 4, boundary: bool = False) -> LoopProfile | None:
+    """The hot path of ``kernel``'s main loop with ``rows`` query rows per tile (None: no loop);
+    with ``boundary``, of one pass of the boundary loop that does not enter the main loop (a
+    masked tile; None where there is no boundary loop). A boundary profile's static counts are
+    its loop's body without the main loop's."""
+    inner = main_loop(kernel)
+    span = boundary_loop(kernel) if boundary else inner
     if span is None:
         return None
     first, last = span
+    avoid = inner if boundary else None
+    weights, branches = _weights(kernel, first, last, rows, avoid)
     body = kernel.instructions[first:last + 1]
-    weights, branches = _weights(kernel, first, last, rows)
+    if avoid is not None:
+        keep = [not avoid[0] <= first + n <= avoid[1] for n in range(len(body))]
+        body = [i for i, k in zip(body, keep, strict=True) if k]
+        weights = [w for w, k in zip(weights, keep, strict=True) if k]
     width = max(load_bytes(i) for i in body)
     counts: Counter[str] = Counter()
     opcodes: Counter[str] = Counter()
@@ -135,9 +177,10 @@ def profile_loop(kernel: Kernel, rows: int = 4) -> LoopProfile | None:
                        dict(Counter(i.opcode for i in body)))
 
 
-def _weights(kernel: Kernel, first: int, last: int,
-             rows: int) -> tuple[list[float], list[Branch]]:
-    """Per instruction of the loop body: how often one pass executes it."""
+def _weights(kernel: Kernel, first: int, last: int, rows: int,
+             avoid: tuple[int, int] | None = None) -> tuple[list[float], list[Branch]]:
+    """Per instruction of the loop body: how often one pass executes it; a pass that does not
+    enter the loop ``avoid`` (first, last indices) where given."""
     insns = kernel.instructions
     written = {r for i in insns[first:last + 1] for r in i.writes()}
     flow = [0.0] * (last - first + 2)  # weight arriving at each index (+1: leaving the loop)
@@ -158,8 +201,9 @@ def _weights(kernel: Kernel, first: int, last: int,
         elif not insn.guard:
             taken = 1.0
         else:
-            branch = _branch(kernel, i, j, first, last, written, rows)
-            branches.append(branch)
+            branch = _branch(kernel, i, j, first, last, written, rows, avoid)
+            if avoid is None or not avoid[0] <= i <= avoid[1]:
+                branches.append(branch)
             taken = branch.taken
         if j > i:
             flow[j - first] += w * taken
@@ -168,7 +212,7 @@ def _weights(kernel: Kernel, first: int, last: int,
 
 
 def _branch(kernel: Kernel, i: int, j: int, first: int, last: int, written: set[str],
-            rows: int) -> Branch:
+            rows: int, avoid: tuple[int, int] | None = None) -> Branch:
     insns = kernel.instructions
     insn = insns[i]
     negated = insn.guard.startswith("!")
@@ -180,7 +224,10 @@ def _branch(kernel: Kernel, i: int, j: int, first: int, last: int, written: set[
             skipped[-1].target or 0) > insns[j].address:
         then, other = skipped[:-1], insns[j:kernel.at(skipped[-1].target)]
     work = [any(i.op in _TILE_WORK for i in side) for side in (then, other)]
-    if test is not None and (value := _rows_test(kernel, test, written, first, rows)) is not None:
+    enters = [avoid is not None and _enters(kernel, start, avoid) for start in (j, i + 1)]
+    if enters[0] != enters[1]:  # a boundary pass: the side that does not enter the main loop
+        kind, taken = "boundary", float(enters[1])
+    elif test is not None and (value := _rows_test(kernel, test, written, first, rows)) is not None:
         kind, taken = "rows", float(value != negated)
     elif test is not None and _uniform(kernel, test, (first, last), set()):
         kind = "config"
@@ -190,6 +237,16 @@ def _branch(kernel: Kernel, i: int, j: int, first: int, last: int, written: set[
         taken = float(work[1] if work[0] != work[1] else _slow_path(kernel, i, j))
     text = f"{test.opcode} {', '.join(test.operands)}" if test else "(no definition found)"
     return Branch(insn.address, kind, taken, text)
+
+
+def _enters(kernel: Kernel, start: int, loop: tuple[int, int]) -> bool:
+    """Whether the code from index ``start`` runs into ``loop`` (first, last): it starts inside
+    it, or falls through to its head with no unconditional branch or exit on the way."""
+    if loop[0] <= start <= loop[1]:
+        return True
+    return start < loop[0] and not any(
+        insn.op in ("BRA", "EXIT") and not insn.guard
+        for insn in kernel.instructions[start:loop[0]])
 
 
 # Tensor-core work: where only one side of a branch holds it, that side runs (a padded head's

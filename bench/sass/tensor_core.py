@@ -10,7 +10,10 @@ cp.async copies and ``instructions`` in all. An SM needs at least
         shared_bytes / 128)                                       shared memory, 32 banks x 4 B
 
 clocks per pass. A shape runs ``passes`` of them spread over every SM, and reads ``hbm_bytes``
-at ``memory_bandwidth x bandwidth_efficiency``; the estimate is the slower of the two.
+at ``memory_bandwidth x bandwidth_efficiency``; the estimate is the slower of the two. Where the
+kernel runs its boundary tiles (causal diagonal, partition end) in a masked body of a loop
+around the unmasked one, those ``boundary_passes`` are priced at the masked pass's cost
+(``tile_cost(kernel, boundary=True)``).
 
 The mma.sync rate is a share of the device's dense bf16 peak (``DevicePreset.bf16_flops``):
 all of it on sm_80, where mma.sync is the tensor cores' instruction (A100: 312 TFLOPS = 108
@@ -31,7 +34,7 @@ from bench.sass.loop import LoopProfile, profile_loop
 from pagedkv.tools.costmodel import DevicePreset
 
 __all__ = ["MMA_FLOP", "MMA_SYNC_SHARE", "Decode", "Prefill", "TcEstimate", "TileCost",
-           "TileGeometry", "estimate", "geometry", "tc_kernels", "tile_cost"]
+           "TileGeometry", "boundary_cost", "estimate", "geometry", "tc_kernels", "tile_cost"]
 
 MMA_FLOP = 2 * 16 * 8 * 16  # one HMMA.16816: D[16][8] += A[16][16] B[16][8]
 MMA_SYNC_SHARE = {"sm_80": 1.0, "sm_90": 2 / 3}  # of the dense bf16 peak, see above
@@ -99,14 +102,25 @@ class TileCost:
         return self.static_instructions / self.static_hmma
 
 
-def tile_cost(kernel: Kernel) -> TileCost:
-    """The cost of one pass of ``kernel``'s main loop (ValueError: no loop with HMMA)."""
-    p = profile_loop(kernel)
+def tile_cost(kernel: Kernel, boundary: bool = False) -> TileCost:
+    """The cost of one pass of ``kernel``'s main loop, the unmasked interior tile (ValueError: no
+    loop with HMMA); with ``boundary``, of a masked tile: a pass of the loop around it that does
+    not enter it (ValueError: none)."""
+    p = profile_loop(kernel, boundary=boundary)
     if p is None or not p.count("HMMA"):
-        raise ValueError(f"{kernel.demangled or kernel.name} has no tensor-core main loop")
+        what = "masked boundary loop" if boundary else "tensor-core main loop"
+        raise ValueError(f"{kernel.demangled or kernel.name} has no {what}")
     return TileCost(p.static_instructions, int(p.count("HMMA", static=True)), p.instructions,
                     p.count("HMMA"), p.count("LDSM"), p.count("LDGSTS"), _shared_bytes(p),
                     dict(p.classes))
+
+
+def boundary_cost(kernel: Kernel) -> TileCost | None:
+    """``tile_cost(kernel, boundary=True)``, None where the kernel has one key-tile loop."""
+    try:
+        return tile_cost(kernel, boundary=True)
+    except ValueError:
+        return None
 
 
 def _shared_bytes(p: LoopProfile) -> float:
@@ -137,15 +151,31 @@ class Prefill:
     cache_bytes: int = 2  # per element: 2 for 16-bit caches, 1 for fp8
 
     def passes(self, g: TileGeometry) -> int:
-        """Passes of the main loop (warps x key tiles over every block): each block runs its
-        key tiles up to its last row's position (the causal diagonal)."""
-        group = self.num_heads // self.num_kv_heads
-        per_token = group if g.packs_group else 1
+        """Passes of the key-tile loops (warps x key tiles over every block): each block runs
+        its key tiles up to its last row's position (the causal diagonal)."""
+        return sum(self._tiles(g)) * self._blocks_per_row_tile(g) * g.warps
+
+    def boundary_passes(self, g: TileGeometry) -> int:
+        """The passes over boundary tiles, masked: those past the first row's position (the
+        diagonal's tiles; key tiles up to it every row of the block sees whole)."""
+        return self._tiles(g)[1] * self._blocks_per_row_tile(g) * g.warps
+
+    def _tiles(self, g: TileGeometry) -> tuple[int, int]:
+        """(interior, boundary) key tiles summed over one (sequence, kv head)'s row tiles, as
+        the kernel splits them (attention_tc.cuh: it_hi = first row's position + 1 over BN)."""
+        per_token = self.num_heads // self.num_kv_heads if g.packs_group else 1
         rows = self.query_len * per_token
-        units = self.num_kv_heads if g.packs_group else self.num_heads
-        tiles = sum(math.ceil((self.prefix + (min(r0 + g.rows, rows) - 1) // per_token + 1)
-                              / g.keys) for r0 in range(0, rows, g.rows))
-        return self.num_seqs * units * tiles * g.warps
+        interior = boundary = 0
+        for r0 in range(0, rows, g.rows):
+            first = self.prefix + r0 // per_token
+            last = self.prefix + (min(r0 + g.rows, rows) - 1) // per_token
+            tiles = math.ceil((last + 1) / g.keys)
+            whole = min(tiles, (first + 1) // g.keys)
+            interior, boundary = interior + whole, boundary + tiles - whole
+        return interior, boundary
+
+    def _blocks_per_row_tile(self, g: TileGeometry) -> int:
+        return self.num_seqs * (self.num_kv_heads if g.packs_group else self.num_heads)
 
     @property
     def flops(self) -> float:
@@ -179,10 +209,16 @@ class Decode:
     cache_bytes: int = 2
 
     def passes(self, g: TileGeometry) -> int:
-        group = self.num_heads // self.num_kv_heads
-        row_tiles = math.ceil(group / g.rows)
+        return self._blocks(g) * math.ceil(self.seq_len / g.keys) * g.warps
+
+    def boundary_passes(self, g: TileGeometry) -> int:
+        """The passes over the last, partial key tile (none when BN divides the length)."""
         tiles = math.ceil(self.seq_len / g.keys)
-        return self.num_seqs * self.num_kv_heads * row_tiles * tiles * g.warps
+        return self._blocks(g) * (tiles - self.seq_len // g.keys) * g.warps
+
+    def _blocks(self, g: TileGeometry) -> int:
+        group = self.num_heads // self.num_kv_heads
+        return self.num_seqs * self.num_kv_heads * math.ceil(group / g.rows)
 
     @property
     def flops(self) -> float:
@@ -203,7 +239,8 @@ class Decode:
 class TcEstimate:
     device: str
     bound: str  # "issue", "tensor", "shared" or "hbm"
-    clocks_per_pass: dict[str, float]  # per SM, under each limit
+    clocks_per_pass: dict[str, float]  # per SM, under each limit, an interior (unmasked) pass
+    boundary_share: float  # of the passes: boundary tiles priced at the masked cost
     seconds: float
     tflops: float
     fraction_of_peak: float  # of the dense bf16 peak
@@ -214,22 +251,35 @@ class TcEstimate:
         return asdict(self)
 
 
-def estimate(cost: TileCost, device: DevicePreset, shape: Prefill | Decode,
-             g: TileGeometry) -> TcEstimate:
-    """The estimated time of ``shape`` on ``device`` for a loop of ``cost`` cut as ``g``."""
+def estimate(cost: TileCost, device: DevicePreset, shape: Prefill | Decode, g: TileGeometry,
+             boundary: TileCost | None = None) -> TcEstimate:
+    """The estimated time of ``shape`` on ``device`` for a loop of ``cost`` cut as ``g``: its
+    interior passes at ``cost``, its boundary passes at ``boundary`` (the masked tile; at
+    ``cost`` when None: a kernel with one loop)."""
     if not device.sm_count or not device.sm_clock or device.sass_arch not in MMA_SYNC_SHARE:
         raise ValueError(f"device {device.name} has no SM figures or no mma.sync rate")
-    mma_per_clock = device.bf16_flops * MMA_SYNC_SHARE[device.sass_arch] / (
-        MMA_FLOP * device.sm_count * device.sm_clock)
-    clocks = {"issue": cost.instructions / (device.schedulers_per_sm * device.issue_efficiency),
-              "tensor": cost.hmma / mma_per_clock,
-              "shared": cost.shared_bytes / SHARED_BYTES_PER_SM_CLOCK}
+    clocks = _clocks(cost, device)
     bound = max(clocks, key=clocks.get)
-    compute = shape.passes(g) * clocks[bound] / (device.sm_count * device.sm_clock)
+    passes = shape.passes(g)
+    masked = shape.boundary_passes(g) if boundary is not None else 0
+    total = (passes - masked) * clocks[bound]
+    if masked:
+        total += masked * max(_clocks(boundary, device).values())
+    compute = total / (device.sm_count * device.sm_clock)
     memory = shape.hbm_bytes / (device.memory_bandwidth * device.bandwidth_efficiency)
     if memory > compute:
         bound = "hbm"
     seconds = max(compute, memory)
-    return TcEstimate(device.name, bound, clocks, seconds, shape.flops / seconds / 1e12,
-                      shape.flops / seconds / device.bf16_flops, shape.hbm_bytes / seconds,
-                      shape.hbm_bytes / seconds / device.memory_bandwidth)
+    hbm = shape.hbm_bytes / seconds
+    return TcEstimate(device.name, bound, clocks, masked / passes, seconds,
+                      shape.flops / seconds / 1e12, shape.flops / seconds / device.bf16_flops,
+                      hbm, hbm / device.memory_bandwidth)
+
+
+def _clocks(cost: TileCost, device: DevicePreset) -> dict[str, float]:
+    """SM clocks of one pass of ``cost`` under each limit."""
+    mma_per_clock = device.bf16_flops * MMA_SYNC_SHARE[device.sass_arch] / (
+        MMA_FLOP * device.sm_count * device.sm_clock)
+    return {"issue": cost.instructions / (device.schedulers_per_sm * device.issue_efficiency),
+            "tensor": cost.hmma / mma_per_clock,
+            "shared": cost.shared_bytes / SHARED_BYTES_PER_SM_CLOCK}
