@@ -6,7 +6,8 @@
 // docs/cpu_attention.md). Few machines have the instruction, so the pair path is also compiled
 // here into the base, AVX2 and AVX-512F kernels with PKV_DOT_PAIRS=1, where dot_pairs is two
 // FMAs: its packing, its rounding of P and its odd last key then run on any x86-64 processor.
-// Each set is compiled twice, float path and pair path, and both are checked on the same batch:
+// Each set is compiled twice, float path and pair path (bf16_pairs_set.cpp, one unit per set),
+// and both are checked on the same batch:
 // odd sequence and query lengths, shuffled block tables, block sizes 7, 16 and 32, head sizes
 // 64, 72, 128 and 256, GQA 1, 4 and 8, sliding window, soft cap and ALiBi; outputs poisoned with
 // NaN before the run.
@@ -17,8 +18,6 @@
 // allowed 2^-8 B more. lse (float32, either path) is within 1e-4 (1 + |ref|).
 //
 //   cpu_bf16_pairs SET    (SET: base, avx2, avx512 or avx512bf16; exit 77: the processor lacks it)
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -26,117 +25,40 @@
 #include <limits>
 #include <random>
 #include <string>
-#include <type_traits>
 #include <vector>
 
-#include "cpu/attention_work.h"
-
-#pragma GCC diagnostic ignored "-Wpsabi"  // the base set's vectors are wider than its ABI's
-#ifndef __clang__  // GCC 12 reports its own _mm512_undefined_* placeholders as uninitialized
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-
-// One set's kernels as namespace NS: PKV_ISA (attention_simd.h), PKV_DOT_PAIRS (the path).
-#define PKV_ISA 0
-#define PKV_DOT_PAIRS 0
-namespace pagedkv::cpu::base_float {
-#include "cpu/attention_kernels.inc"
-}
-#undef PKV_DOT_PAIRS
-#define PKV_DOT_PAIRS 1
-namespace pagedkv::cpu::base_pairs {
-#include "cpu/attention_kernels.inc"
-}
-#undef PKV_ISA
-#undef PKV_DOT_PAIRS
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define PKV_ISA 1
-#define PKV_DOT_PAIRS 0
-namespace pagedkv::cpu::avx2_float {
-#include "cpu/attention_kernels.inc"
-}
-#undef PKV_DOT_PAIRS
-#define PKV_DOT_PAIRS 1
-namespace pagedkv::cpu::avx2_pairs {
-#include "cpu/attention_kernels.inc"
-}
-#undef PKV_ISA
-#undef PKV_DOT_PAIRS
-#pragma GCC pop_options
-
-// PKV_PAIRS_NO_AVX512 leaves the AVX-512 sets out (the sanitizer build: its compile time).
-#ifndef PKV_PAIRS_NO_AVX512
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma,f16c")
-#define PKV_ISA 2
-#define PKV_DOT_PAIRS 0
-namespace pagedkv::cpu::avx512_float {
-#include "cpu/attention_kernels.inc"
-}
-#undef PKV_DOT_PAIRS
-#define PKV_DOT_PAIRS 1
-namespace pagedkv::cpu::avx512_pairs {
-#include "cpu/attention_kernels.inc"
-}
-#undef PKV_ISA
-#undef PKV_DOT_PAIRS
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")
-#define PKV_ISA 3
-#define PKV_DOT_PAIRS 0
-namespace pagedkv::cpu::avx512bf16_float {
-#include "cpu/attention_kernels.inc"
-}
-#undef PKV_DOT_PAIRS
-#define PKV_DOT_PAIRS 1  // vdpbf16ps itself
-namespace pagedkv::cpu::avx512bf16_pairs {
-#include "cpu/attention_kernels.inc"
-}
-#undef PKV_ISA
-#undef PKV_DOT_PAIRS
-#pragma GCC pop_options
-#endif
+#include "bf16_pairs_set.h"
 
 using namespace pagedkv;
 
 namespace {
 
-using Attend = void (*)(const PagedAttentionParams&, const cpu::WorkItem&, float*,
-                        const cpu::Partials&);
-
 struct Set {
   const char* name;
   bool (*has)();
-  Attend float_path, pair_path;
-  int lanes;
+  cpu::PairSet (*kernels)();
 };
 
 const Set kSets[] = {
-    {"base", [] { return true; }, &cpu::base_float::attend, &cpu::base_pairs::attend,
-     cpu::base_float::W},
+    {"base", [] { return true; }, &cpu::pairs_set_base},
     {"avx2",
      [] {
        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
               __builtin_cpu_supports("f16c");
      },
-     &cpu::avx2_float::attend, &cpu::avx2_pairs::attend, cpu::avx2_float::W},
+     &cpu::pairs_set_avx2},
 #ifndef PKV_PAIRS_NO_AVX512
     {"avx512",
      [] { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
                  __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); },
-     &cpu::avx512_float::attend, &cpu::avx512_pairs::attend, cpu::avx512_float::W},
+     &cpu::pairs_set_avx512},
     {"avx512bf16",
      [] {
        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
               __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx2") &&
               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
      },
-     &cpu::avx512bf16_float::attend, &cpu::avx512bf16_pairs::attend, cpu::avx512bf16_float::W},
+     &cpu::pairs_set_avx512bf16},
 #endif
 };
 
@@ -253,7 +175,7 @@ struct Batch {
 // Runs attend over the batch's items (per sequence, kv head and tile of 96 / group query
 // tokens, as the planner makes them) and checks every output against the reference. Returns
 // the number of elements out of bounds.
-int check(const Batch& b, Attend attend, bool pairs, const char* label) {
+int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label) {
   const Case& c = b.c;
   const int D = c.head_size, H = c.heads, group = H / c.kv_heads;
   std::vector<uint16_t> out(size_t(b.num_tokens) * H * D, 0x7fc0);  // NaN
@@ -362,15 +284,16 @@ int main(int argc, char** argv) {
   };
   std::mt19937 rng(2026);
   int bad = 0;
-  std::printf("%s kernels, %d float lanes\n", set->name, set->lanes);
+  const cpu::PairSet kernels = set->kernels();
+  std::printf("%s kernels, %d float lanes\n", set->name, kernels.lanes);
   for (const Case& c : cases) {
-    if (c.head_size % set->lanes != 0) {  // the library takes another set for this head size
-      std::printf("  %-24s skipped: head size not a multiple of %d\n", c.name, set->lanes);
+    if (c.head_size % kernels.lanes != 0) {  // the library takes another set for this head size
+      std::printf("  %-24s skipped: head size not a multiple of %d\n", c.name, kernels.lanes);
       continue;
     }
     const Batch batch(c, rng);
-    bad += check(batch, set->float_path, false, (std::string(c.name) + ", float").c_str());
-    bad += check(batch, set->pair_path, true, (std::string(c.name) + ", pairs").c_str());
+    bad += check(batch, kernels.float_path, false, (std::string(c.name) + ", float").c_str());
+    bad += check(batch, kernels.pair_path, true, (std::string(c.name) + ", pairs").c_str());
   }
   std::printf(bad ? "FAILED: %d elements out of bounds\n" : "passed\n", bad);
   return bad ? 1 : 0;
