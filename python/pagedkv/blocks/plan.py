@@ -129,8 +129,8 @@ class PendingPlan:
 
     def allocate(self, num_blocks: int, destination: bool = False) -> list[int]:
         """Allocate ``num_blocks`` device blocks, all or nothing. A pending write into one of them
-        is dropped (its content is dead); unless they are ``destination``s of the plan (it writes
-        them) they are stale."""
+        is dropped (its content is dead); unless the plan writes them (``destination``) they are
+        stale."""
         if not num_blocks:
             return []
         blocks = self.device.allocate(num_blocks)
