@@ -72,15 +72,23 @@ EXIT
 def listing(waste: int = 0) -> str:
     """LOOP as cuobjdump prints it (addresses, hex branch targets), with ``waste`` integer
     instructions added to the guarded row code."""
-    lines = LOOP.replace("{waste}", "IMAD R30, R30, 0x3, RZ\n" * waste).splitlines()
+    header = ["\tcode for sm_90", "\t\tFunction : _Z6decodev",
+              '\t.headerflags\t@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"']
+    return assemble(LOOP.replace("{waste}", "IMAD R30, R30, 0x3, RZ\n" * waste), header,
+                    "                /* 0x000fc00000000000 */")
+
+
+def assemble(text: str, header: list[str], suffix: str = "") -> str:
+    """``label: instruction`` lines as a disassembler prints them after ``header``: 16 bytes
+    each, branch targets as addresses, ``suffix`` after each instruction."""
+    lines = text.splitlines()
     labels = {line.split(":")[0]: 16 * i for i, line in enumerate(lines) if ": " in line}
-    out = ["\tcode for sm_90", "\t\tFunction : _Z6decodev",
-           '\t.headerflags\t@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"']
+    out = list(header)
     for i, line in enumerate(lines):
         text = line.split(": ", 1)[-1]
         for label, address in labels.items():
             text = text.replace(f"BRA {label}", f"BRA {address:#x}")
-        out.append(f"        /*{16 * i:04x}*/ {text} ;                /* 0x000fc00000000000 */")
+        out.append(f"        /*{16 * i:04x}*/ {text} ;{suffix}")
     return "\n".join(out) + "\n"
 
 

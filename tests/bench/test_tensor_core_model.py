@@ -7,7 +7,7 @@ units compiled by nvcc), so that a change making them issue more per MMA fails h
 from __future__ import annotations
 
 import pytest
-from test_gpu_model import built_kernels
+from test_gpu_model import assemble, built_kernels
 
 from bench.sass.disasm import parse_listing
 from bench.sass.loop import boundary_loop, main_loop, profile_loop
@@ -119,15 +119,7 @@ def tile_listing(waste: int = 0) -> str:
 
 def as_nvdisasm(text: str) -> str:
     """A listing of ``label: instruction`` lines as nvdisasm prints it, 16 bytes each."""
-    lines = text.splitlines()
-    labels = {line.split(":")[0]: 16 * i for i, line in enumerate(lines) if ": " in line}
-    out = ["\t.target\tsm_90", ".text._Z4tilev:"]
-    for i, line in enumerate(lines):
-        text = line.split(": ", 1)[-1]
-        for label, address in labels.items():
-            text = text.replace(f"BRA {label}", f"BRA {address:#x}")
-        out.append(f"        /*{16 * i:04x}*/ {text} ;")
-    return "\n".join(out) + "\n"
+    return assemble(text, ["\t.target\tsm_90", ".text._Z4tilev:"])
 
 
 def test_the_tensor_core_work_runs_and_the_features_are_skipped():
