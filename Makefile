@@ -5,9 +5,9 @@
 #   make test              set up, build, run the test suite (what CI runs)
 #   make bench             set up, build, run every microbenchmark
 #   make test TORCH=2.13.0 the same against the CPU-only torch build (no nvcc use)
-#   make ctest             torch-free native targets: emulator self-tests, CPU attention kernels
-#                          of every instruction set and their bf16 prefill test (also under
-#                          ASan + UBSan), nvcc + ptxas report
+#   make ctest             torch-free native targets: emulator self-tests, the bf16 prefill test
+#                          of the CPU kernels of every instruction set (also under ASan + UBSan),
+#                          the tensor-core wrappers through nvcc
 #   make sanitize          the simt suites on an ASan + UBSan build of pagedkv._simt, and the
 #                          emulator self-tests under TSan (what CI runs after `make test`)
 #   make lint              ruff over python, tests, bench, docs and setup.py
@@ -48,8 +48,11 @@ $(EDITABLE): pyproject.toml
 		--config-settings editable_mode=compat -e .
 	touch $@
 
+# pytest-xdist: one worker per core (TEST_JOBS=0 runs the suite in this process).
+TEST_JOBS ?= auto
+
 test: build
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS)
 
 demo: build
 	$(VENV)/bin/pagedkv demo
@@ -74,7 +77,7 @@ ctest: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake -S . -B build/cmake -G Ninja \
 		-DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake --build build/cmake
-	ctest --test-dir build/cmake --output-on-failure
+	ctest --test-dir build/cmake --output-on-failure -j $(MAX_JOBS)
 
 # ASan + UBSan: pagedkv._simt built again into build/simt-address (the in-place module stays),
 # then every suite on the simt backend and the emulator self-tests with it. libasan must come
@@ -86,7 +89,7 @@ sanitize-address: build
 	PAGEDKV_SIMT_SANITIZE=address $(PY) setup.py -q build_ext
 	PAGEDKV_SIMT_SANITIZE=address PAGEDKV_TEST_BACKENDS=simt LD_PRELOAD="$(SANITIZE_LIBS)" \
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-		$(PY) -m pytest -q --capture=sys tests/ops tests/simt
+		$(PY) -m pytest -q -n $(TEST_JOBS) --capture=sys tests/ops tests/simt
 
 # TSan: the torch-free emulator self-tests, and the race check of a missing __syncthreads.
 sanitize-thread: setup

@@ -88,7 +88,9 @@ os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
 # GCC cannot assume that an int index does not overflow, and the CPU attention kernels' loops
 # over rows and keys ran 3-9% slower (bench/cpu_attention_ab.cpp, one version built each way).
 CXX_FLAGS = ["-O3", "-std=c++20", "-Wall", "-Wno-unknown-pragmas", "-fopenmp", "-fno-wrapv"]
-NVCC_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+# -Xptxas=-v: ptxas's resource report of every kernel, which scripts/ptxas_log.sh (the nvcc that
+# cpp_extension runs, see nvcc_with_ptxas_log) keeps beside each object for the spill check.
+NVCC_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-Xptxas=-v"]
 SIMT_FLAGS = [
     "-std=c++20", "-O1", "-g", "-fno-strict-aliasing", "-UNDEBUG", "-Wno-unknown-pragmas",
     "-pthread",
@@ -121,6 +123,18 @@ def cpu_isa_units() -> list[str]:
     return units
 
 
+def nvcc_with_ptxas_log() -> None:
+    """cpp_extension runs $PYTORCH_NVCC (one path) in place of nvcc: make it scripts/ptxas_log.sh,
+    which runs the real one ($PYTORCH_NVCC as the user gave it, a ccache wrapper say, else the
+    toolkit's) and keeps each object's ptxas report in OBJECT.ptxas.log, read by
+    tests/test_ptxas_report.py and `scripts/ptxas_report.sh --logs build`."""
+    wrapper = str(ROOT / "scripts" / "ptxas_log.sh")
+    nvcc = os.environ.get("PYTORCH_NVCC", str(Path(CUDA_HOME, "bin", "nvcc")))
+    if nvcc != wrapper:
+        os.environ["PAGEDKV_NVCC"] = nvcc
+        os.environ["PYTORCH_NVCC"] = wrapper
+
+
 def c_extension() -> cpp_extension.CppExtension:
     srcs = sources("csrc/bindings.cpp", "csrc/cpu/*.cpp") + cpu_isa_units()
     common = dict(
@@ -129,6 +143,7 @@ def c_extension() -> cpp_extension.CppExtension:
     if not WITH_CUDA:
         return cpp_extension.CppExtension(sources=srcs, extra_compile_args=CXX_FLAGS, **common)
     srcs += sources("csrc/cuda/*.cpp", "csrc/cuda/*.cu")
+    nvcc_with_ptxas_log()
     flags = {"cxx": CXX_FLAGS + ["-DPAGEDKV_WITH_CUDA"], "nvcc": NVCC_FLAGS}
     return cpp_extension.CUDAExtension(sources=srcs, extra_compile_args=flags, **common)
 

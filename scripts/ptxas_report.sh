@@ -4,8 +4,9 @@
 #
 #   scripts/ptxas_report.sh [file.cu ...]   compile each file (default: csrc/cuda/attention_*.cu)
 #                                           once for both archs and report
-#   scripts/ptxas_report.sh --logs DIR      report from the ptxas logs that the CMake build
-#                                           (scripts/ptxas_log.sh) left under DIR: no compile
+#   scripts/ptxas_report.sh --logs DIR      report from the ptxas logs that setup.py's build of
+#                                           pagedkv._C (scripts/ptxas_log.sh) left under DIR
+#                                           (build/ for `make build`): no compile
 #
 # Exits non-zero when a paged_attention kernel spills on sm_90, or a tensor-core one
 # (paged_attention_tc_kernel) on any arch, or when a unit's log is missing.
@@ -19,9 +20,9 @@ trap 'rm -rf "$out"' EXIT
 if [ "${1:-}" = --logs ]; then
   dir=${2:?usage: scripts/ptxas_report.sh --logs DIR}
   for f in "${units[@]}"; do
-    found=("$dir"/CMakeFiles/*/"$f".o.ptxas.log)
-    [ -f "${found[0]}" ] || { echo "ptxas_report: no ptxas log of $f under $dir" >&2; exit 1; }
-    cp "${found[0]}" "$out/$(basename "$f" .cu).log"
+    found=$(find "$dir" -path "*/${f%.cu}.o.ptxas.log" -newer "$f" -print -quit)
+    [ -n "$found" ] || { echo "ptxas_report: no ptxas log of $f under $dir newer than it" >&2; exit 1; }
+    cp "$found" "$out/$(basename "$f" .cu).log"
   done
 else
   files=("$@")

@@ -23,7 +23,7 @@ ARCHS = ("sm_80", "sm_90")  # setup.py's default TORCH_CUDA_ARCH_LIST, "8.0;9.0"
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "build" / "sass"
 # setup.py's NVCC_FLAGS, then what torch.utils.cpp_extension adds to every nvcc command line.
-NVCC_FLAGS = ("-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo",
+NVCC_FLAGS = ("-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-Xptxas=-v",
               "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
               "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__")
 
