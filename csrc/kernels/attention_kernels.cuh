@@ -345,9 +345,9 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     }
     o = sum > 0.f ? o / sum * v_scale : 0.f;
     const float lse = sum > 0.f ? (m_all + log2f(sum)) * kLn2 : -INFINITY;
-    const OutRow<T> dst(p, plan, row_token[r], row_head[r], tile.part);
+    const OutRow<T> dst(p, plan, row_token[r], row_head[r], tile.part, lse);
     dst.put(d, o);
-    if (d == 0) dst.put_lse(lse);
+    if (d == 0) dst.put_lse();
   }
 }
 

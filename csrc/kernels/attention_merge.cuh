@@ -47,9 +47,12 @@ __global__ void __launch_bounds__(kMergeThreads)
       x[j] = i < n ? load(lse + i, "workspace") : -INFINITY;
       m = fmaxf(m, x[j]);
     }
+    // The sink (a virtual key of value 0, kernels/attention_params.h) enters max and sum once.
+    const float sink = p.sinks != nullptr ? load(p.sinks + head, "sinks") : -INFINITY;
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float sum = 0.f;
+    m = fmaxf(m, sink);
+    float sum = lane == 0 && sink != -INFINITY ? expf(sink - m) : 0.f;
 #pragma unroll
     for (int j = 0; j < kAttnMaxParts / 32; ++j) {
       x[j] = m == -INFINITY ? 0.f : expf(x[j] - m);

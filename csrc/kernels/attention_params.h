@@ -9,11 +9,16 @@
 //   sliding window w > 0, qp - kp < w.
 // - logit = scale * q.k (k dequantized: x * k_scale for fp8); soft cap: cap * tanh(logit / cap);
 //   ALiBi: + slope[head] * (kp - qp); out = softmax(logits) . v; lse = log(sum(exp(logits))).
+// - Sinks (gpt-oss, vLLM's s_aux): sinks[head] is the logit of one more, virtual key whose value
+//   is 0. It enters the softmax's denominator once (never once per split-K partition) and the
+//   lse: out = sum_k e^(l_k) v_k / (e^s + sum_k e^(l_k)), lse = log(e^s + sum_k e^(l_k)). A row
+//   with no key then has out 0 and lse s. sink_row() applies it to a finished row.
 // - A decode sequence with L_i = 0 has no keys: its output row is 0 and its lse -inf.
 // - Block table entries are read only for blocks holding a key some query attends:
 //   blocks [first_key / block_size, ceil(L_i / block_size)), where first_key is 0, or with a
 //   window max(0, L_i - Q_i - w + 1). Other entries (padding, freed blocks) may hold anything.
 #pragma once
+#include <math.h>
 #include <stdint.h>
 
 #include "kernels/cache_params.h"
@@ -39,6 +44,7 @@ struct PagedAttentionParams {
   const float* v_scale;            // [1], fp8 caches only, else nullptr
   float* lse_out;                  // [num_tokens, num_heads] float32, or nullptr
   int64_t lse_token_stride, lse_head_stride;
+  const float* sinks;              // [num_heads] float32 logits, or nullptr
   int64_t num_tokens;
   int32_t num_seqs, num_heads, num_kv_heads, head_size;
   int32_t num_blocks, max_blocks_per_seq;
@@ -49,6 +55,22 @@ struct PagedAttentionParams {
   DType dtype;                     // of query and out: kFloat32, kFloat16 or kBFloat16
   DType cache_dtype;               // dtype, or kFp8E4M3 / kFp8E5M2 with k_scale and v_scale
 };
+
+// A finished row's sink (see above): its lse over the keys becomes log(e^lse + e^sink) and its
+// output is multiplied by `keep` = e^lse / (e^lse + e^sink), computed without overflow. A row
+// with no key (lse -inf) keeps nothing and takes the sink's lse; a sink of -inf changes nothing.
+struct SinkedRow {
+  float keep, lse;
+};
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline SinkedRow sink_row(float lse, float sink) {
+  const float m = fmaxf(lse, sink);
+  if (m == -INFINITY) return {0.f, -INFINITY};
+  const float a = expf(lse - m), b = expf(sink - m);
+  return {a / (a + b), m + logf(a + b)};
+}
 
 // out = (exp(lse_p) * prefix_out + exp(lse_s) * suffix_out) / (exp(lse_p) + exp(lse_s)),
 // out_lse = log(exp(lse_p) + exp(lse_s)), computed stably. An lse of -inf marks an empty part

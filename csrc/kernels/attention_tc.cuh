@@ -308,7 +308,8 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       const int r = warp_m * 16 + lane / 4 + 8 * h;
       if (r < rows) {
         const float inv = lr[2 * h] > 0.f ? __frcp_rn(lr[2 * h]) : 0.f;
-        const OutRow<T> dst(p, plan, tile.token(r), tile.head(r), tile.part);
+        const float lse = l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
+        const OutRow<T> dst(p, plan, tile.token(r), tile.head(r), tile.part, lse);
 #pragma unroll
         for (int d = 0; d < HEAD / 8; ++d) {
           if (d < d_tiles) {
@@ -316,7 +317,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
             dst.put(d * 8 + 2 * (lane % 4) + 1, o[d][2 * h + 1] * inv * v_scale);
           }
         }
-        if (lane % 4 == 0) dst.put_lse(l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY);
+        if (lane % 4 == 0) dst.put_lse();
       }
     }
   } else {
@@ -360,10 +361,11 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
         sum_r += wt * lr_smem[w * 16 + r];
       }
       const float inv = (sum_r > 0.f ? __frcp_rn(sum_r) : 0.f) * v_scale;
-      const OutRow<T> dst(p, plan, tile.token(r), tile.head(r), tile.part);
+      const float lse = sum > 0.f ? (m_all + log2f(sum)) * kLn2 : -INFINITY;
+      const OutRow<T> dst(p, plan, tile.token(r), tile.head(r), tile.part, lse);
       dst.put(d, o0 * inv);
       dst.put(d + 1, o1 * inv);
-      if (d == 0) dst.put_lse(sum > 0.f ? (m_all + log2f(sum)) * kLn2 : -INFINITY);
+      if (d == 0) dst.put_lse();
     }
   }
 #endif

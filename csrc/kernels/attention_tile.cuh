@@ -143,19 +143,30 @@ struct KVRows {
 };
 
 // Where one row's result goes: its out row and lse (one partition), or its slot (token, head,
-// part) of the split-K workspace, which the reduce merges (several). Every write is a store().
+// part) of the split-K workspace, which the reduce merges (several). A final row takes its
+// head's sink here (sink_row, kernels/attention_params.h); a partial one does not, the reduce
+// adds the sink once. Every write is a store().
 template <typename T>
 struct OutRow {
   T* out = nullptr;          // one partition: the row of out
   float* partial = nullptr;  // several: the row's partial output in the workspace
   float* lse = nullptr;      // lse_out's element (or nullptr) / the workspace's lse
+  float keep = 1.f;          // the sink's factor of a final row's output
+  float row_lse;             // what put_lse writes: the row's lse, with the sink when final
 
+  // lse: the row's log-sum-exp over its keys (natural log; -inf when it saw none).
   __device__ __forceinline__ OutRow(const PagedAttentionParams& p, const AttentionPlan& plan,
-                                    int64_t token, int head, int part) {
+                                    int64_t token, int head, int part, float row_lse_)
+      : row_lse(row_lse_) {
     if (plan.num_parts == 1) {
       out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
       if (p.lse_out != nullptr) {
         lse = p.lse_out + token * p.lse_token_stride + head * p.lse_head_stride;
+      }
+      if (p.sinks != nullptr) {
+        const SinkedRow sunk = sink_row(row_lse, load(p.sinks + head, "sinks"));
+        keep = sunk.keep;
+        row_lse = sunk.lse;
       }
     } else {
       const int64_t slot = (token * p.num_heads + head) * plan.num_parts + part;
@@ -168,11 +179,11 @@ struct OutRow {
     if (partial != nullptr) {
       store(partial + d, x, "workspace");
     } else {
-      store(out + d, from_float<T>(x), "out");
+      store(out + d, from_float<T>(x * keep), "out");
     }
   }
-  __device__ __forceinline__ void put_lse(float x) const {
-    if (lse != nullptr) store(lse, x, partial != nullptr ? "workspace" : "lse");
+  __device__ __forceinline__ void put_lse() const {
+    if (lse != nullptr) store(lse, row_lse, partial != nullptr ? "workspace" : "lse");
   }
 };
 

@@ -18,7 +18,7 @@ inline constexpr char kPagedAttentionSchema[] =
     "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
     "Tensor block_tables, Tensor seq_lens, Tensor? query_start_loc, int max_seq_len, "
     "int max_query_len, float scale, Tensor? alibi_slopes, int sliding_window, float soft_cap, "
-    "Tensor? k_scale, Tensor? v_scale, Tensor(b!)? lse_out) -> ()";
+    "Tensor? k_scale, Tensor? v_scale, Tensor(b!)? lse_out, Tensor? sinks=None) -> ()";
 
 // Index contents (lengths, query_start_loc, block ids), checked when readable for free.
 inline void check_attention_indices(const PagedAttentionParams& p, const at::Tensor& block_tables,
@@ -71,7 +71,8 @@ inline PagedAttentionParams paged_attention_params(
     const c10::optional<at::Tensor>& query_start_loc, int64_t max_seq_len, int64_t max_query_len,
     double scale, const c10::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
     double soft_cap, const c10::optional<at::Tensor>& k_scale,
-    const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lse_out) {
+    const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lse_out,
+    const c10::optional<at::Tensor>& sinks) {
   constexpr const char* op = "paged_attention";
   const DType dtype = check_rows(query, op, "query");
   check_like(out, query, op, "out", "query");
@@ -133,6 +134,12 @@ inline PagedAttentionParams paged_attention_params(
                 alibi_slopes->sizes());
   }
   if (lse_out) check_lse(*lse_out, num_tokens, num_heads, out, op, "lse_out");
+  if (sinks) {
+    check_device(*sinks, query, op, "sinks", "query");
+    check_index(*sinks, at::kFloat, op, "sinks");
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads, op,
+                ": sinks must be [num_heads] = [", num_heads, "], got ", sinks->sizes());
+  }
 
   PagedAttentionParams p{};
   p.out = out.data_ptr();
@@ -153,6 +160,7 @@ inline PagedAttentionParams paged_attention_params(
   p.lse_out = lse_out ? lse_out->data_ptr<float>() : nullptr;
   p.lse_token_stride = lse_out ? lse_out->stride(0) : 0;
   p.lse_head_stride = lse_out ? lse_out->stride(1) : 0;
+  p.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
   p.num_tokens = num_tokens;
   p.num_seqs = to_int32(num_seqs, op, "num_seqs");
   p.num_heads = to_int32(num_heads, op, "num_heads");
@@ -184,10 +192,11 @@ void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const c10::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
                         double soft_cap, const c10::optional<at::Tensor>& k_scale,
                         const c10::optional<at::Tensor>& v_scale,
-                        const c10::optional<at::Tensor>& lse_out) {
+                        const c10::optional<at::Tensor>& lse_out,
+                        const c10::optional<at::Tensor>& sinks) {
   Run(paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
                              query_start_loc, max_seq_len, max_query_len, scale, alibi_slopes,
-                             sliding_window, soft_cap, k_scale, v_scale, lse_out),
+                             sliding_window, soft_cap, k_scale, v_scale, lse_out, sinks),
       query);
 }
 

@@ -34,6 +34,7 @@ class Case:
     alibi: bool = False
     sliding_window: int = -1
     soft_cap: float = 0.0
+    sinks: bool = False
     lse: bool = True
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -102,6 +103,8 @@ def make_args(case: Case, device: torch.device | str = "cpu") -> dict:
         k_scale=k_scale,
         v_scale=v_scale,
         lse_out=torch.full((num_tokens, case.num_heads), float("nan")) if case.lse else None,
+        # logits about those of the keys (scale * q.k ~ N(0, 1)), some far above, some below
+        sinks=torch.randn(case.num_heads) * 3 + 1 if case.sinks else None,
     )
     args.update(case.extra)
     return to_device(args, device)

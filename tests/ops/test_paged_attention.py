@@ -20,6 +20,7 @@ from attention_cases import (
 )
 
 from pagedkv import ops
+from pagedkv.ops import reference as ops_reference
 
 from helpers import CPU_ISAS, cpu_has, expected_cpu_kernel, use_cpu_isa
 
@@ -33,6 +34,9 @@ FEATURES = {
     "window-long": dict(sliding_window=40),
     "softcap": dict(soft_cap=5.0),
     "all": dict(alibi=True, sliding_window=24, soft_cap=8.0),
+    "sinks": dict(sinks=True),
+    "window-sinks": dict(sliding_window=7, sinks=True),  # gpt-oss's window layers, in small
+    "all-sinks": dict(alibi=True, sliding_window=24, soft_cap=8.0, sinks=True),
 }
 # (seq_lens, q_lens): decode rows (q 1), whole prefills (q = seq), chunks over a cached prefix.
 VARLEN = ((1, 40, 97, 33, 64, 5), (1, 40, 9, 33, 1, 2))
@@ -103,10 +107,11 @@ def test_fp8_caches(backend, dtype, cache_dtype):
     run(backend, DECODE.with_(dtype=dtype, cache_dtype=cache_dtype, head_size=128))
 
 
+@pytest.mark.parametrize("feature", ["all", "all-sinks"])
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=str)
-def test_fp8_varlen_with_features(backend, cache_dtype):
+def test_fp8_varlen_with_features(backend, cache_dtype, feature):
     run(backend, Case(seq_lens=VARLEN[0], q_lens=VARLEN[1], dtype=torch.bfloat16,
-                      cache_dtype=cache_dtype, **FEATURES["all"]))
+                      cache_dtype=cache_dtype, **FEATURES[feature]))
 
 
 @pytest.mark.parametrize("layout", ["nhd", "combined"])
@@ -143,6 +148,12 @@ TC_TILES = {
     "bf16 h192 decode group 16": Case(dtype=torch.bfloat16, head_size=192, num_heads=16,
                                       num_kv_heads=1, seq_lens=(300, 1, 65), alibi=True,
                                       sliding_window=50, soft_cap=10.0),
+    "bf16 h64 sinks window 2 row tiles": Case(dtype=torch.bfloat16, head_size=64,
+                                              seq_lens=(150, 9), q_lens=(70, 9), sinks=True,
+                                              sliding_window=33, num_heads=16, num_kv_heads=2),
+    "f16 h128 sinks decode group 8 split": Case(dtype=torch.float16, head_size=128,
+                                                num_heads=8, num_kv_heads=1, sinks=True,
+                                                seq_lens=(700, 3), block_size=7),
 }
 
 
@@ -151,7 +162,7 @@ def test_tensor_core_tiles(backend, name):
     run(backend, TC_TILES[name])
 
 
-@pytest.mark.parametrize("feature", ["plain", "all"])
+@pytest.mark.parametrize("feature", ["plain", "all", "sinks"])
 def test_long_context_one_sequence(backend, feature):
     """One long sequence and one kv head: the CPU splits the keys and merges the parts."""
     run(backend, Case(seq_lens=(3001,), num_heads=4, num_kv_heads=1, head_size=128,
@@ -165,6 +176,76 @@ def test_empty_sequences_give_zeros_and_minus_inf(backend):
     for seq in (0, 2):
         assert torch.equal(args["out"][seq].cpu(), torch.zeros(8, 64))
         assert torch.equal(args["lse_out"][seq].cpu(), torch.full((8,), float("-inf")))
+
+
+def test_empty_sequences_with_sinks_give_zeros_and_the_sink(backend):
+    args = run(backend, Case(seq_lens=(0, 9, 0, 1), sinks=True))
+    for seq in (0, 2):
+        assert torch.equal(args["out"][seq].cpu(), torch.zeros(8, 64))
+        assert torch.equal(args["lse_out"][seq].cpu(), args["sinks"].cpu())
+
+
+@pytest.mark.parametrize("split", [40, 64], ids=["mid-block", "at-block"])
+def test_sinks_enter_once_when_parts_are_merged(backend, split):
+    """Keys [0, split) with the sinks and [split, n) without, merged by merge_attn_states, give
+    the attention over all keys with the sinks: lse_out includes the sink, once."""
+    n, bs = 200, 16
+    whole = run(backend, Case(seq_lens=(n, n), num_heads=8, num_kv_heads=2, dtype=torch.float32,
+                              block_size=bs, sinks=True))
+    dev = backend.device
+    # Part A: the same queries over the first `split` keys (table unchanged, shorter seq_lens).
+    first = rerun(backend, whole, seq_lens=torch.full((2,), split, dtype=torch.int32,
+                                                      device=dev))
+    # Part B: keys [split, n) moved into a cache of their own, without the sinks.
+    k, v = (torch.stack([ops_reference.gather_kv(whole["key_cache"].cpu(),
+                                                 whole["value_cache"].cpu(),
+                                                 whole["block_tables"][i].cpu(), n)[j][split:]
+                         for i in range(2)]) for j in (0, 1))
+    rest = n - split
+    blocks = -(-rest // bs)
+    kc = torch.zeros(2 * blocks, k.shape[2], bs, k.shape[3])
+    vc = torch.zeros_like(kc)
+    for i in range(2):
+        for t in range(rest):
+            kc[i * blocks + t // bs, :, t % bs] = k[i, t]
+            vc[i * blocks + t // bs, :, t % bs] = v[i, t]
+    table = torch.arange(2 * blocks, dtype=torch.int32).view(2, blocks)
+    second = rerun(backend, whole, key_cache=kc.to(dev), value_cache=vc.to(dev),
+                   block_tables=table.to(dev), sinks=None,
+                   seq_lens=torch.full((2,), rest, dtype=torch.int32, device=dev))
+    merged = torch.full_like(whole["out"], float("nan"))
+    merged_lse = torch.full_like(whole["lse_out"], float("nan"))
+    ops.merge_attn_states(merged, merged_lse, first["out"], first["lse_out"], second["out"],
+                          second["lse_out"])
+    assert max_err(merged, whole["out"]) < 1e-5
+    assert max_err(merged_lse, whole["lse_out"]) < 1e-5
+    # and the sinks did change the answer
+    plain = rerun(backend, whole, sinks=None)
+    assert max_err(plain["out"], whole["out"]) > 1e-3
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda a: a["sinks"][:-1], r"sinks must be \[num_heads\] = \[8\]"),
+    (lambda a: a["sinks"].view(2, 4), r"sinks must be \[num_heads\] = \[8\]"),
+    (lambda a: a["sinks"].half(), "sinks must be Float"),
+    (lambda a: a["sinks"].double(), "sinks must be Float"),
+    (lambda a: a["sinks"].repeat(2)[::2], "sinks must be contiguous"),
+], ids=["short", "2d", "half", "double", "strided"])
+def test_bad_sinks_are_refused_before_anything_is_written(backend, bad, message):
+    args = make_args(Case(seq_lens=(5, 30), sinks=True), backend.device)
+    args["sinks"] = bad(args)
+    with pytest.raises(RuntimeError, match=message):
+        call(backend.ops.paged_attention, args)
+    assert args["out"].isnan().all() and args["lse_out"].isnan().all()
+
+
+def test_sinks_on_another_device_are_refused():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU: CPU tensors are on one device")
+    args = make_args(Case(seq_lens=(5, 30), sinks=True), "cuda")
+    args["sinks"] = args["sinks"].cpu()
+    with pytest.raises(RuntimeError, match="sinks"):
+        call(torch.ops.pagedkv.paged_attention, args)
 
 
 def test_varlen_sequence_without_queries(backend):

@@ -114,6 +114,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of each query token over its sequence's paged K/V cache, written into ``out``.
 
@@ -159,7 +160,15 @@ def paged_attention(
         float32, one element each; required with fp8 caches, rejected otherwise.
     lse_out : Tensor, optional
         float32 ``[num_tokens, num_heads]``; written with the natural-log log-sum-exp of each
-        row's logits (after soft cap and ALiBi), for :func:`merge_attn_states`.
+        row's logits (after soft cap and ALiBi, the sink's included), for
+        :func:`merge_attn_states`.
+    sinks : Tensor, optional
+        float32 ``[num_heads]``, on query's device: attention sinks (gpt-oss; vLLM's
+        ``s_aux``). ``sinks[h]`` is the logit of one more key of head ``h`` whose value is
+        zero: ``out = sum_k e^l_k v_k / (e^s + sum_k e^l_k)`` and ``lse = log(e^s + sum_k
+        e^l_k)``; not scaled, capped or biased. It enters once per row, however the keys are
+        split: to merge partial results with :func:`merge_attn_states`, pass ``sinks`` to one
+        part only. A row with no key gets zeros and lse ``sinks[h]``.
 
     Example
     -------
@@ -172,7 +181,7 @@ def paged_attention(
     torch.ops.pagedkv.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         max_seq_len, max_query_len, scale, alibi_slopes, sliding_window, soft_cap, k_scale,
-        v_scale, lse_out,
+        v_scale, lse_out, sinks,
     )
 
 

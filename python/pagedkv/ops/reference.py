@@ -146,13 +146,16 @@ def paged_attention(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     lse_out: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float32,
 ) -> None:
     """Attention of each query token over its sequence's paged K/V, computed in ``compute_dtype``.
 
-    Writes ``out`` (cast to its dtype) and ``lse_out`` (float32) in place. A sequence with
-    seq_len 0 gets zeros and lse -inf. ``max_seq_len`` and ``max_query_len`` are unused here.
+    Writes ``out`` (cast to its dtype) and ``lse_out`` (float32) in place. ``sinks[h]`` is the
+    logit of one more key of head ``h`` whose value is zero: it joins the softmax's denominator
+    and the lse. A sequence with seq_len 0 gets zeros and lse -inf (the sink's logit with
+    sinks). ``max_seq_len`` and ``max_query_len`` are unused here.
     """
     group = query.shape[1] // key_cache.shape[1]
     for seq, (first, q_len, seq_len) in enumerate(query_ranges(seq_lens, query_start_loc)):
@@ -160,14 +163,18 @@ def paged_attention(
         if seq_len == 0 or q_len == 0:
             out[rows] = 0
             if lse_out is not None:
-                lse_out[rows] = float("-inf")
+                lse_out[rows] = float("-inf") if sinks is None else sinks.to(lse_out.device)
             continue
         k, v = gather_kv(key_cache, value_cache, block_tables[seq], seq_len)
         k = dequantize(k, k_scale).to(compute_dtype).repeat_interleave(group, dim=1)
         v = dequantize(v, v_scale).to(compute_dtype).repeat_interleave(group, dim=1)
         q = query[rows].to(compute_dtype)
         logits = attention_logits(q, k, seq_len, scale, alibi_slopes, sliding_window, soft_cap)
-        lse = torch.logsumexp(logits, dim=-1)  # [num_heads, q_len]
+        if sinks is not None:  # the virtual key: a column of logits, no value row
+            sink = sinks.to(logits.device, logits.dtype)[:, None, None].expand(-1, q_len, 1)
+            lse = torch.logsumexp(torch.cat([logits, sink], dim=-1), dim=-1)
+        else:
+            lse = torch.logsumexp(logits, dim=-1)  # [num_heads, q_len]
         probs = torch.exp(logits - lse[..., None])
         out[rows] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
         if lse_out is not None:
