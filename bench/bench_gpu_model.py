@@ -172,14 +172,17 @@ def _tile_row(kernel, usage) -> dict:
 
 
 def tensor_core_estimates(kernels, devices) -> list[dict]:
-    """The standard chunked prefill and GQA-8 decode (head 128) per device, bf16 and fp8
-    caches, and FlashAttention-2's loop on the prefill."""
+    """The standard chunked prefill and GQA-8, 16 and 32 decode (head 128, 64 query heads) per
+    device, bf16 and fp8 caches, and FlashAttention-2's loop on the prefill. A decode group of 32
+    has 32 rows per kv head: dispatch runs it on the prefill configuration (64-row tiles)."""
     found, rows = tc.tc_kernels(kernels), []
     for device in devices:
         for cache in CACHES:
             size = 2 if cache == "bf16" else 1
             for kind, shape in (("prefill", tc.Prefill(cache_bytes=size)),
-                                ("decode", tc.Decode(cache_bytes=size))):
+                                ("decode", tc.Decode(cache_bytes=size)),
+                                ("decode", tc.Decode(num_kv_heads=4, cache_bytes=size)),
+                                ("prefill", tc.Decode(num_kv_heads=2, cache_bytes=size))):
                 k = found.get((device.sass_arch, "bf16", cache, 128, kind))
                 if k is not None:
                     est = tc.estimate(tc.tile_cost(k), device, shape, tc.geometry(k),
