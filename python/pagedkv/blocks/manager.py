@@ -34,8 +34,7 @@ class BlockManager:
         debug_nan: plans list freshly allocated, freed and evicted blocks (and the null block) for
             a NaN fill, so a read of stale or padding data shows up.
         groups: the KV cache groups' windows (None: full attention), e.g. ``spec.group_windows``;
-            more than one group, or a window, makes a ``HybridBlockManager``
-            (``pagedkv.blocks.hybrid``). None (the default) or ``(None,)``: this manager.
+            several groups or a window make a ``HybridBlockManager`` (``pagedkv.blocks.hybrid``).
 
     The cache work that calls imply is not done here: it is recorded in a ``PendingPlan``
     (``pagedkv.blocks.plan``; ``plan()`` is its snapshot), which a ``PlanExecutor`` applies before
@@ -65,6 +64,8 @@ class BlockManager:
         ...
         manager.free("req-0")
     """
+
+    group_windows: tuple[int | None, ...] = (None,)  # each KV cache group's window: one, full
 
     def __new__(cls, *args: object, groups: Sequence[int | None] | None = None,
                 **kwargs: object) -> BlockManager:
@@ -116,11 +117,6 @@ class BlockManager:
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens of the sequence."""
         return len(self._sequences.get(seq_id).token_ids)
-
-    @property
-    def group_windows(self) -> tuple[int | None, ...]:
-        """Each KV cache group's window: one full-attention group."""
-        return (None,)
 
     def block_table(self, seq_id: Hashable, group: int = 0) -> list[int]:
         """A copy of the sequence's block table (CPU pool block ids while swapped out)."""
