@@ -266,7 +266,31 @@ def _head(args: argparse.Namespace, job: _Job) -> list[str]:
             f"{stats['output_mean']:.0f} (p99 {stats['output_p99']:.0f}), "
             f"{stats['prefix_share']:.0%} with a shared prefix",
             f"cost     {_priced(args)}",
-            f"budget   {_budget_text(args, job)}, max_len {args.max_len}"]
+            f"budget   {_budget_text(args, job)}, max_len {args.max_len}",
+            f"kv       {_kv_text(_kv_per_token(args))}"]
+
+
+def _kv_per_token(args: argparse.Namespace) -> dict[str, object]:
+    """KV bytes per token (one device's) with every layer attending in full, and what the
+    hybrid manager holds per token of a request of ``--max-len`` tokens (None: no windows)."""
+    model, tp = args.model, args.tp
+    full = model.spec(args.block_size, args.cache_dtype, tp)
+    data: dict[str, object] = {"full_bytes_per_token": full.bytes_per_token,
+                               "hybrid_bytes_per_token": None, "at_tokens": args.max_len}
+    if model.layer_windows is not None:
+        hybrid = model.spec(args.block_size, args.cache_dtype, tp, hybrid=True)
+        data["hybrid_bytes_per_token"] = hybrid.hybrid_kv_bytes(args.max_len) / args.max_len
+    return data
+
+
+def _kv_text(kv: dict[str, object]) -> str:
+    full = f"{format_bytes(kv['full_bytes_per_token'])} per token with every layer in full"
+    if kv["hybrid_bytes_per_token"] is None:
+        return f"{full} (no sliding-window layers)"
+    ratio = kv["hybrid_bytes_per_token"] / kv["full_bytes_per_token"]
+    return (f"{full}; the hybrid manager holds {format_bytes(kv['hybrid_bytes_per_token'])} "
+            f"per token of a {kv['at_tokens']:,}-token request ({ratio:.2f}x; the strategies "
+            "here page every layer)")
 
 
 def _config(args: argparse.Namespace, job: _Job) -> dict[str, object]:
@@ -295,7 +319,7 @@ def _once(args: argparse.Namespace, job: _Job, head: list[str]) -> tuple[dict, s
                else f"Poisson, {rate:g} requests/s")
     binds = report.what_binds(results, job.budget.num_slots, args.max_len)
     data = report.to_json(results, config=_config(args, job),
-                          trace=job.stats, binds=binds)
+                          trace=job.stats, binds=binds, kv=_kv_per_token(args))
     lines = [*head, f"arrivals {arrives}", "", report.format_table(results, legend=False), "",
              binds["text"], "", report.LEGEND, *_plotted(args)]
     return data, "\n".join(lines)
@@ -313,7 +337,7 @@ def _sweep(args: argparse.Namespace, job: _Job, head: list[str]) -> tuple[dict, 
     busiest = results[max(results)]
     binds = report.what_binds(busiest, job.budget.num_slots, args.max_len)
     data = report.sweep_json(results, args.latency_target, config=_config(args, job),
-                             trace=job.stats, binds=binds)
+                             trace=job.stats, binds=binds, kv=_kv_per_token(args))
     lines = [*head, "", report.format_sweep(results, args.latency_target), "",
              f"at the highest rate swept, {max(results):g} requests/s:", binds["text"],
              *_plotted(args)]
