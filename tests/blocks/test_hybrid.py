@@ -214,3 +214,18 @@ def test_bad_group_index_names_the_argument():
             manager.block_table("a", bad)
         with pytest.raises(InvalidArgumentError, match="group"):
             manager.num_held_blocks("a", bad)
+
+
+@pytest.mark.parametrize("windows, num_tokens", [
+    ((128, None) * 3, 1000), ((7, 7, None), 64), ((7, 7, None), 65), ((5,), 33), ((None,), 9)])
+def test_the_spec_counts_what_the_manager_holds(windows, num_tokens):
+    """KVCacheSpec.hybrid_kv_bytes (pagedkv size's figure) against a manager's blocks."""
+    spec = KVCacheSpec(len(windows), 2, 8, 16, sliding_windows=windows)
+    manager = BlockManager(1000, 16, groups=spec.group_windows)
+    manager.add_sequence("a", list(range(num_tokens - 1)))
+    manager.append_tokens("a", 1)  # decoding: the prefill ran
+    if isinstance(manager, HybridBlockManager):
+        held = sum(manager.num_held_blocks("a", g) for g in range(len(spec.group_windows)))
+    else:  # one full-attention group: the plain manager
+        held = len(manager.block_table("a"))
+    assert spec.hybrid_kv_bytes(num_tokens) == held * spec.bytes_per_block

@@ -232,6 +232,7 @@ def _size(args: argparse.Namespace) -> int:
     if args.list_models:
         return _list_models(args)
     name, spec, seq_len = _size_spec(args)
+    windows = _layer_windows(args, spec.num_layers)
     memory = args.memory
     r = size_report(spec, seq_len, args.batch, memory)
     dtype = str(spec.kv_dtype).removeprefix("torch.")
@@ -254,7 +255,6 @@ def _size(args: argparse.Namespace) -> int:
     if memory is not None:
         lines.append(f"in {format_bytes(memory):<11} {r['tokens_fit']:>10,} tokens = "
                      f"{r['blocks_fit']:,} blocks = {r['seqs_fit']:,} sequences of {seq_len:,}")
-    windows = _layer_windows(args, spec.num_layers)
     if windows is not None:
         hybrid = dataclasses.replace(spec, sliding_windows=windows)
         data["hybrid"] = hybrid_report(hybrid, seq_len, args.batch, memory)
