@@ -1,5 +1,7 @@
 """The stateful property test of test_manager_stateful.py over a hybrid manager: a full-attention
-group and a sliding-window group (layer 0 and layer 1 of the cache), or window groups alone.
+group and a sliding-window group (layer 0 and layer 1 of the cache), or window groups alone. The
+cache is paged as the manager pages it: both layers share one K and one V tensor, each block
+holding the layer of the group that owns it.
 
 On top of the single-group machine's checks (reference counts equal table holders plus the
 plan's, no block free and used at once, every sequence's K/V read back through the pending plan,
@@ -14,6 +16,7 @@ failed calls change nothing), per group:
 - no block is in two groups' tables; every group's cached entries are live or evictable.
 """
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -21,9 +24,18 @@ import torch
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
-from test_manager_stateful import SCALE, SPEC, BlockManagerMachine, expected_kv, snapshot
+from test_manager_stateful import (
+    SCALE,
+    SPEC,
+    BlockManagerMachine,
+    FailingExecutor,
+    expected_kv,
+    snapshot,
+)
 
 from pagedkv.blocks.batch import PAD_BLOCK, PAD_WINDOW
+from pagedkv.blocks.plan import cpu_cache_for
+from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.errors import InvalidArgumentError
 
 
@@ -33,6 +45,13 @@ class HybridMachine(BlockManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         self.windows = self.manager.group_windows
+        # the cache paged as the manager pages it: one tensor per page slot, here one for both
+        # layers (a block holds the layer of the group that owns it)
+        spec = dataclasses.replace(SPEC, sliding_windows=self.windows)
+        assert spec.page_layers == 1
+        self.cache = PagedKVCache(spec, 24)
+        self.cpu_cache = cpu_cache_for(self.cache, 16)
+        self.executor = FailingExecutor(self.cache, self.cpu_cache)
         self.written: dict[int, int] = {}  # tokens whose K/V are written (their queries ran)
         self.told: dict[int, int] = {}  # the computed count the manager was last told
 

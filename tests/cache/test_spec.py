@@ -131,3 +131,19 @@ def test_a_spec_without_windows_is_one_full_group():
     assert spec.group_windows == (None,) and spec.page_layers == 5
     assert spec.hybrid_kv_bytes(10, batch=3) == 3 * 3 * spec.bytes_per_block
     assert spec.bytes_per_block == spec.bytes_per_token * 4
+
+
+def test_a_windowed_spec_pages_its_cache_by_group():
+    spec = KVCacheSpec(6, 2, 8, 4, torch.float16, sliding_windows=(4, None) * 3)
+    cache = PagedKVCache(spec, 10)
+    assert len(cache.key_caches) == len(cache.value_caches) == spec.page_layers == 3
+    assert cache.nbytes == 10 * spec.bytes_per_block == sum(
+        t.numel() * t.element_size() for t in cache.key_caches + cache.value_caches)
+    for layer in range(6):
+        group, slot = spec.page_slot(layer)
+        assert cache.layer(layer)[0] is cache.key_caches[slot]
+    assert cache.layer(0)[0] is cache.layer(1)[0]  # slot 0 of the window and the full group
+    assert cache.layer(0)[0] is not cache.layer(2)[0]
+    fp8 = PagedKVCache(KVCacheSpec(6, 2, 8, 4, torch.float16, torch.float8_e4m3fn,
+                                   sliding_windows=(4, None) * 3), 2)
+    assert len(fp8.k_scales) == 6  # one scale per layer, not per tensor
