@@ -12,7 +12,7 @@ their chained hash; a prompt's hit is the longest prefix every group can serve.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -56,26 +56,22 @@ class HybridBlockManager(BlockManager):
         self.windows = check_groups(groups)
         self._rows = [self.tables, *(BlockTableRows(self.block_size) for _ in self.windows[1:])]
         self.prefix_caches: list[PrefixCache] | None = None
+        self._forgets: list[Callable[[int], None]] = []
         if enable_prefix_caching:
             self.prefix_caches = []
-            hooks = []
-            for _ in self.windows:
+            for _ in self.windows:  # each cache hooks itself on the allocator: collect the hooks
                 self.prefix_caches.append(PrefixCache(self.allocator, self.block_size))
-                hooks.append(self.allocator.on_evict)
-            self.allocator.on_evict = self._evicted(hooks)
+                self._forgets.append(self.allocator.on_evict)
+            self.allocator.on_evict = self._forget
             full = [i for i, window in enumerate(self.windows) if window is None]
             self.prefix_cache = self.prefix_caches[full[0] if full else 0]
 
-    def _evicted(self, hooks: list):
-        caches = self.prefix_caches
-
-        def forget(block: int) -> None:
-            for cache, hook in zip(caches, hooks, strict=True):
-                if cache.holds(block):
-                    hook(block)
-                    return
-
-        return forget
+    def _forget(self, block: int) -> None:
+        """The allocator reclaimed a cached block: the cache of its group forgets it."""
+        for cache, forget in zip(self.prefix_caches, self._forgets, strict=True):
+            if cache.holds(block):
+                forget(block)
+                return
 
     @property
     def group_windows(self) -> tuple[int | None, ...]:
