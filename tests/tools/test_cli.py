@@ -146,6 +146,19 @@ def test_simulate_reports_the_hybrid_kv_per_token(capsys):
     assert data["kv"]["hybrid_bytes_per_token"] == (64 + 8) * page / 1024
     code, out, _ = run(capsys, *SMALL_SIM, "--strategies", "paged")
     assert "no sliding-window layers" in out
+    default = run_json(capsys, *sim[:-2], "--memory", "1GiB")
+    assert list(default["strategies"]) == ["contiguous", "paged", "paged+prefix", "paged+hybrid"]
+    assert default["strategies"]["paged+hybrid"]["finished"] == 20
+    code, out, _ = run(capsys, *sim[:-2], "--memory", "1GiB", "--strategies", "paged+hybrid")
+    pages = int(out.split("paged+hybrid: ")[1].split(" blocks")[0].replace(",", ""))
+    blocks = int(out.split("budget   ")[1].split(" blocks")[0].replace(",", ""))
+    assert code == 0 and pages == 2 * blocks  # pages of 12 of the 24 layers
+    code, _, err = run(capsys, *SMALL_SIM, "--strategies", "paged+hybrid")
+    assert code == 2 and "paged+hybrid needs a model with sliding-window layers" in err
+    code, _, err = run(capsys, *sim[:-2], "--strategies", "paged+hybrid", "--cpu-blocks", "8")
+    assert code == 2 and "preempts by recompute" in err
+    swap = run_json(capsys, *sim[:-2], "--memory", "1GiB", "--cpu-blocks", "8")
+    assert "paged+hybrid" not in swap["strategies"]
 
 
 def test_size_errors(capsys):
