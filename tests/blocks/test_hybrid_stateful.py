@@ -1,7 +1,7 @@
 """The stateful property test of test_manager_stateful.py over a hybrid manager: a full-attention
-group and a sliding-window group (layer 0 and layer 1 of the cache), or window groups alone. The
-cache is paged as the manager pages it: both layers share one K and one V tensor, each block
-holding the layer of the group that owns it.
+group and a sliding-window group (layer 0 and layer 1 of the cache), two window groups, or one
+window group of both layers. The cache is paged as the manager pages it: with two groups both
+layers share one K and one V tensor, each block holding the layer of the group that owns it.
 
 On top of the single-group machine's checks (reference counts equal table holders plus the
 plan's, no block free and used at once, every sequence's K/V read back through the pending plan,
@@ -45,10 +45,11 @@ class HybridMachine(BlockManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         self.windows = self.manager.group_windows
-        # the cache paged as the manager pages it: one tensor per page slot, here one for both
-        # layers (a block holds the layer of the group that owns it)
-        spec = dataclasses.replace(SPEC, sliding_windows=self.windows)
-        assert spec.page_layers == 1
+        # the cache paged as the manager pages it: one tensor per page slot (with two groups one
+        # for both layers: a block holds the layer of the group that owns it)
+        windows = tuple(self.windows[self.group_of(layer)] for layer in range(SPEC.num_layers))
+        spec = dataclasses.replace(SPEC, sliding_windows=windows)
+        assert spec.group_windows == self.windows
         self.cache = PagedKVCache(spec, 24)
         self.cpu_cache = cpu_cache_for(self.cache, 16)
         self.executor = FailingExecutor(self.cache, self.cpu_cache)
@@ -189,8 +190,8 @@ class HybridMachine(BlockManagerMachine):
                 block, offset = divmod(last, SPEC.block_size)
                 assert slots[i] == table[block] * SPEC.block_size + offset
         if seq_ids:
-            event(f"hybrid: {sum(PAD_WINDOW in t for t in batch.group_block_tables[1].tolist())}"
-                  " table(s) with freed window blocks")
+            freed = sum(PAD_WINDOW in t for t in batch.group_block_tables[-1].tolist())
+            event(f"hybrid: {freed} table(s) with freed window blocks")
 
 
 class PlainHybridMachine(HybridMachine):
@@ -199,11 +200,20 @@ class PlainHybridMachine(HybridMachine):
     manager_options = dict(enable_prefix_caching=False, reserve_null_block=False, groups=(5, 9))
 
 
+class WindowOnlyMachine(HybridMachine):
+    """One window group over both layers (a page of two), with prefix caching."""
+
+    manager_options = dict(debug_nan=True, groups=(7,))
+
+
 HybridMachine.TestCase.settings = settings(max_examples=40 * SCALE, stateful_step_count=40,
                                            deadline=None)
 PlainHybridMachine.TestCase.settings = settings(max_examples=15 * SCALE, stateful_step_count=40,
                                                 deadline=None)
+WindowOnlyMachine.TestCase.settings = settings(max_examples=15 * SCALE, stateful_step_count=40,
+                                               deadline=None)
 test_hybrid_manager = HybridMachine.TestCase
+test_window_only_manager = WindowOnlyMachine.TestCase
 test_hybrid_manager_without_prefix_caching = PlainHybridMachine.TestCase
 
 
