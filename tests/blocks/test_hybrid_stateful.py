@@ -80,7 +80,9 @@ class HybridMachine(BlockManagerMachine):
         return None if done == len(self.seqs[seq_id][0]) else done
 
     def append_tokens(self, seq_id: int, tokens: list[int]) -> list:
-        pairs = self.manager.append_tokens(seq_id, tokens, num_computed=self.computed(seq_id))
+        computed = self.computed(seq_id)
+        one = len(tokens) == 1 and computed is None  # the decode fast path takes an int
+        pairs = self.manager.append_tokens(seq_id, tokens[0] if one else tokens, computed)
         self.told[seq_id] = self.written[seq_id]
         return pairs
 

@@ -310,12 +310,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         the later ones stay pending, and the read-back invariant must still hold."""
         before = self.manager.plan()
         self.executor.fail_on = fail_on
-        if fail_on is None or not getattr(before, fail_on):
+        # completing the copies can free their sources: a second, poison-only pass fills them
+        second_pass = fail_on == "poison" and before.copies and self.manager.debug_nan
+        if fail_on is None or not (getattr(before, fail_on) or second_pass):
             self.executor.run(self.manager)
             assert not self.manager.plan()
             return
-        with pytest.raises(InjectedFailure):
+        try:
             self.executor.run(self.manager)
+        except InjectedFailure:
+            pass
+        else:
+            assert not getattr(before, fail_on), "the failing phase had work: run must raise"
+            assert not self.manager.plan()
+            return
         after = self.manager.plan()
         failed = PHASES.index(fail_on)
         for phase in PHASES[:failed]:

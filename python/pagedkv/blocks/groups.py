@@ -15,11 +15,16 @@ from dataclasses import dataclass
 
 from pagedkv import checks
 from pagedkv.blocks.batch import PAD_WINDOW
-from pagedkv.blocks.prefix import BlockKey
+from pagedkv.blocks.prefix import BlockKey, PrefixCache, chain
 from pagedkv.cache.spec import check_window
 from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["GroupTables", "check_group", "check_groups", "first_live", "live_blocks"]
+__all__ = ["GroupTables", "Hits", "check_group", "check_groups", "first_live", "live_blocks",
+           "prompt_hits"]
+
+Hits = tuple[int, list[list[int]], list[list[BlockKey]], list[tuple[bytes, bytes]]]
+"""A prompt's prefix hit: (blocks hit, per group the start of its table and its keys, the
+chain of the prompt's full blocks)."""
 
 
 def check_groups(groups: object) -> tuple[int | None, ...]:
@@ -50,6 +55,36 @@ def first_live(window: int | None, num_computed: int, block_size: int) -> int:
 def live_blocks(table: list[int]) -> list[int]:
     """The blocks a table holds (its entries but the freed ones)."""
     return [block for block in table if block != PAD_WINDOW]
+
+
+def prompt_hits(caches: list[PrefixCache], windows: tuple[int | None, ...],
+                token_ids: list[int], extra: bytes, block_size: int) -> Hits:
+    """The longest prefix of a prompt (in blocks, one token left to compute) that every group's
+    cache can serve: a full-attention group's verified chain from the first block, a window
+    group's blocks in the window of the first token to compute (found by chained hash). Per
+    group, the table it starts with: the hits, ``PAD_WINDOW`` before a window group's."""
+    size = block_size
+    links = chain(token_ids, extra, size, 0, len(token_ids) // size)
+    limit = (len(token_ids) - 1) // size
+    runs = {g: caches[g].lookup(token_ids, extra, limit)
+            for g, window in enumerate(windows) if window is None}
+    hit = min([limit, *(len(blocks) for blocks, _ in runs.values())])
+    found = {g: [caches[g].find(*link) for link in links[:hit]]
+             for g, window in enumerate(windows) if window is not None}
+    while hit and not all(None not in blocks[first_live(windows[g], hit * size, size):hit]
+                          for g, blocks in found.items()):
+        hit -= 1
+    tables: list[list[int]] = []
+    keys: list[list[BlockKey]] = []
+    for g, window in enumerate(windows):
+        if window is None:
+            tables.append(runs[g][0][:hit])
+            keys.append(runs[g][1][:hit])
+        else:
+            start = first_live(window, hit * size, size)
+            tables.append([PAD_WINDOW] * start + found[g][start:hit])
+            keys.append([])
+    return hit, tables, keys, links
 
 
 @dataclass(slots=True)

@@ -19,7 +19,15 @@ import torch
 
 from pagedkv import checks
 from pagedkv.blocks.batch import PAD_WINDOW, BatchTensors, BlockTableRows
-from pagedkv.blocks.groups import GroupTables, check_group, check_groups, first_live, live_blocks
+from pagedkv.blocks.groups import (
+    GroupTables,
+    Hits,
+    check_group,
+    check_groups,
+    first_live,
+    live_blocks,
+    prompt_hits,
+)
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.blocks.prefix import BlockKey, PrefixCache, chain
 from pagedkv.blocks.sequences import SeqState
@@ -27,7 +35,7 @@ from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 
 __all__ = ["HybridBlockManager"]
 
-_Hits = tuple[int, list[list[int]], list[list[BlockKey]], list[tuple[bytes, bytes]]]
+_MAX_TOKEN_ID = checks.MAX_TOKEN_ID
 
 
 class HybridBlockManager(BlockManager):
@@ -92,30 +100,10 @@ class HybridBlockManager(BlockManager):
 
     # -- prefix hits ---------------------------------------------------------------------------
 
-    def _prompt_hits(self, token_ids: list[int], extra: bytes) -> _Hits:
-        """(blocks hit, per group the hit table and keys, the chain of the full blocks)."""
-        empty = [[] for _ in self.windows]
+    def _prompt_hits(self, token_ids: list[int], extra: bytes) -> Hits:
         if self.prefix_caches is None:
-            return 0, empty, [[] for _ in self.windows], []
-        size = self.block_size
-        links = chain(token_ids, extra, size, 0, len(token_ids) // size)
-        limit = (len(token_ids) - 1) // size
-        runs = {g: self.prefix_caches[g].lookup(token_ids, extra, limit)
-                for g, window in enumerate(self.windows) if window is None}
-        hit = min([limit, *(len(blocks) for blocks, _ in runs.values())])
-        found = {g: [self.prefix_caches[g].find(*link) for link in links[:hit]]
-                 for g, window in enumerate(self.windows) if window is not None}
-        while hit and not all(None not in blocks[first_live(self.windows[g], hit * size, size):hit]
-                              for g, blocks in found.items()):
-            hit -= 1
-        tables, keys = empty, [[] for _ in self.windows]
-        for g, window in enumerate(self.windows):
-            if window is None:
-                tables[g], keys[g] = runs[g][0][:hit], runs[g][1][:hit]
-            else:
-                start = first_live(window, hit * size, size)
-                tables[g] = [PAD_WINDOW] * start + found[g][start:hit]
-        return hit, tables, keys, links
+            return 0, [[] for _ in self.windows], [[] for _ in self.windows], []
+        return prompt_hits(self.prefix_caches, self.windows, token_ids, extra, self.block_size)
 
     def _needed(self, tables: list[list[int]], num_blocks: int) -> int:
         """Blocks the pool gives up for tables of ``num_blocks`` starting with ``tables``."""
@@ -207,6 +195,13 @@ class HybridBlockManager(BlockManager):
         """As ``BlockManager.append_tokens``, in every group; first, window groups release the
         blocks behind the window of position ``num_computed`` (default: the sequence's length
         before the append). Returns the copy-on-write ``(old, new)`` pairs of all groups."""
+        if type(token_ids) is int and num_computed is None and 0 <= token_ids <= _MAX_TOKEN_ID:
+            try:
+                seq = self._seqs.get(seq_id)
+            except TypeError:
+                seq = None
+            if seq is not None and not seq.swapped and self._append_one(seq, token_ids):
+                return []
         seq = self._sequences.resident(seq_id)
         tokens = checks.token_ids([token_ids] if type(token_ids) is int else token_ids)
         computed = self._computed(seq, num_computed)
@@ -229,6 +224,23 @@ class HybridBlockManager(BlockManager):
         seq.token_ids += tokens
         self._register_groups(seq)
         return pairs
+
+    def _append_one(self, seq: SeqState, token: int) -> bool:
+        """The decode fast path: append one token when no group takes, copies or releases a
+        block (the last block has room and is private, no window moves past a block)."""
+        state, size = seq.groups, self.block_size
+        num_old = len(seq.token_ids)
+        if not num_old % size:
+            return False
+        for g, window in enumerate(self.windows):
+            if self._ref_counts[state.tables[g][-1]] != 1 or (
+                    window is not None and first_live(window, num_old, size) > state.starts[g]):
+                return False
+        seq.token_ids.append(token)
+        state.num_computed = num_old
+        if (num_old + 1) % size == 0:
+            self._register_groups(seq)
+        return True
 
     def _copy_last(self, seq: SeqState, group: int) -> tuple[int, int]:
         """Give the sequence a private copy of its shared last block in ``group``."""
