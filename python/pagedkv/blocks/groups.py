@@ -1,4 +1,5 @@
-"""KV cache groups of the hybrid manager: what a sequence keeps per group, and the window rule.
+"""KV cache groups of the hybrid manager: what a sequence keeps per group, the window rule, and
+a prompt's prefix hit over every group.
 
 A group is one attention kind over some layers: full attention (``None``) or a sliding window of
 ``W`` tokens. Every group has its own block table per sequence over the one block pool. A query
