@@ -161,7 +161,8 @@ def test_can_append_counts_the_blocks_a_window_releases():
     assert (manager.block_table("b"), list(manager.allocator.ref_counts), manager.plan()) == before
 
 
-def test_swap_out_and_in_keep_every_group():
+@pytest.mark.parametrize("evict", [True, False])
+def test_swap_out_and_in_keep_every_group(evict):
     spec = KVCacheSpec(2, KV_HEADS, HEAD, 4, torch.float32, sliding_windows=(None, 6))
     cache = PagedKVCache(spec, 32)
     manager = BlockManager(32, 4, groups=spec.group_windows, num_cpu_blocks=32)
@@ -178,8 +179,11 @@ def test_swap_out_and_in_keep_every_group():
     assert len(pairs) == manager.num_held_blocks("a", 0) + manager.num_held_blocks("a", 1)
     assert manager.block_table("a", 1)[:3] == [PAD_WINDOW] * 3
     executor.run(manager)
-    manager.evict_cached()
-    manager.swap_in("a")
+    if evict:
+        manager.evict_cached()
+    copied = manager.swap_in("a")
+    # cached blocks come back without a copy, in both groups (20 tokens: every block is full)
+    assert len(copied) == (len(pairs) if evict else 0)
     executor.run(manager)
     after = [manager.block_table("a", g) for g in (0, 1)]
     assert [t.count(PAD_WINDOW) for t in after] == [t.count(PAD_WINDOW) for t in before]

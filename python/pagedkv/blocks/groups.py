@@ -20,8 +20,8 @@ from pagedkv.blocks.prefix import BlockKey, PrefixCache, chain
 from pagedkv.cache.spec import check_window
 from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["GroupTables", "Hits", "check_group", "check_groups", "first_live", "live_blocks",
-           "prompt_hits"]
+__all__ = ["GroupTables", "Hits", "check_computed", "check_group", "check_groups", "first_live",
+           "live_blocks", "prompt_hits"]
 
 Hits = tuple[int, list[list[int]], list[list[BlockKey]], list[tuple[bytes, bytes]]]
 """A prompt's prefix hit: (blocks hit, per group the start of its table and its keys, the
@@ -44,6 +44,20 @@ def check_group(group: object, num_groups: int) -> int:
     if index >= num_groups:
         raise InvalidArgumentError(f"group must be in [0, {num_groups}), got {index}")
     return index
+
+
+def check_computed(value: object, floor: int, num_tokens: int) -> int:
+    """The ``num_computed`` of an append: None means ``num_tokens`` (every token before the
+    appended ones has had its query run), else an int in [floor, num_tokens]: at least what an
+    earlier call said (freed blocks do not come back), at most the sequence's tokens."""
+    if value is None:
+        return num_tokens
+    value = checks.count(value, "num_computed")
+    if not floor <= value <= num_tokens:
+        raise InvalidArgumentError(
+            f"num_computed must be in [{floor}, {num_tokens}] (at least what an earlier call "
+            f"said, at most the sequence's tokens), got {value}")
+    return value
 
 
 def first_live(window: int | None, num_computed: int, block_size: int) -> int:

@@ -22,6 +22,7 @@ from pagedkv.blocks.batch import PAD_WINDOW, BatchTensors, BlockTableRows
 from pagedkv.blocks.groups import (
     GroupTables,
     Hits,
+    check_computed,
     check_group,
     check_groups,
     first_live,
@@ -31,7 +32,7 @@ from pagedkv.blocks.groups import (
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.blocks.prefix import BlockKey, PrefixCache, chain
 from pagedkv.blocks.sequences import SeqState
-from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
+from pagedkv.errors import OutOfBlocksError
 
 __all__ = ["HybridBlockManager"]
 
@@ -151,15 +152,7 @@ class HybridBlockManager(BlockManager):
         return hit * self.block_size
 
     def _computed(self, seq: SeqState, num_computed: int | None) -> int:
-        num_old = len(seq.token_ids)
-        if num_computed is None:
-            return num_old
-        value = checks.count(num_computed, "num_computed")
-        if not seq.groups.num_computed <= value <= num_old:
-            raise InvalidArgumentError(
-                f"num_computed must be in [{seq.groups.num_computed}, {num_old}] (at least what "
-                f"an earlier call said, at most the sequence's tokens), got {value}")
-        return value
+        return check_computed(num_computed, seq.groups.num_computed, len(seq.token_ids))
 
     def _growth(self, seq: SeqState, num_tokens: int, computed: int
                 ) -> tuple[list[list[int]], list[int], list[int], list[int], int]:
@@ -291,17 +284,26 @@ class HybridBlockManager(BlockManager):
 
     def _swap_in_hits(self, seq: SeqState) -> tuple[list[list[int]], list[list[BlockKey]]]:
         """Per group, the start of its device table that the prefix cache still holds: a
-        full-attention group's cached prefix; a window group's freed entries only."""
-        tables, keys = [], []
+        full-attention group's cached prefix; a window group's cached blocks from its first
+        held entry on (found by chained hash, up to the first miss)."""
+        tables, keys, state, caches = [], [], seq.groups, self.prefix_caches
         for g, window in enumerate(self.windows):
-            start = seq.groups.starts[g]
-            if window is None and self.prefix_caches is not None:
-                blocks, group_keys = self.prefix_caches[g].lookup(seq.token_ids, seq.extra)
-                tables.append(blocks[:len(seq.groups.tables[g])])
-                keys.append(group_keys[:len(tables[-1])])
-            else:
-                tables.append([PAD_WINDOW] * start)
-                keys.append([])
+            start, group_keys = state.starts[g], []
+            table = [PAD_WINDOW] * start
+            if caches is not None and window is None:
+                blocks, group_keys = caches[g].lookup(seq.token_ids, seq.extra)
+                table = blocks[:len(state.tables[g])]
+                group_keys = group_keys[:len(table)]
+            elif caches is not None:
+                links = chain(seq.token_ids, seq.extra, self.block_size, start,
+                              len(state.hashes), state.hashes[start - 1] if start else None)
+                for link in links:
+                    block = caches[g].find(*link)
+                    if block is None:
+                        break
+                    table.append(block)
+            tables.append(table)
+            keys.append(group_keys)
         return tables, keys
 
     def can_swap_in(self, seq_id: Hashable) -> bool:
