@@ -96,3 +96,54 @@ def test_zeros_kv_is_zeroed_and_backed_by_huge_pages_where_linux_allows():
         big = torch.empty(8 << 20, dtype=torch.uint8)  # whole 2 MiB pages inside it
         assert _advise_huge_pages(big)
     assert not _advise_huge_pages(torch.empty(16))  # no whole huge page inside
+
+
+def test_sliding_windows_are_checked_naming_the_argument():
+    for windows, name in (((None,), "sliding_windows"), ((None, 0), r"sliding_windows\[1\]"),
+                          ((None, 1.5), r"sliding_windows\[1\]"),
+                          ((True, None), r"sliding_windows\[0\]")):
+        with pytest.raises(ValueError, match=name):
+            KVCacheSpec(2, 2, 8, 4, sliding_windows=windows)
+
+
+@pytest.mark.parametrize("windows, size, groups", [
+    ((None,) * 3, 3, [(None, (0, 1, 2))]),
+    ((4, None, 4, None), 2, [(4, (0, 2)), (None, (1, 3))]),
+    ((4,) * 12 + (None,) * 13, 13, [(4, tuple(range(12))), (None, tuple(range(12, 25)))]),
+    ((4, 4, 4, None, 4, 4, 4, None), 2, [(4, (0, 1)), (4, (2, 4)), (4, (5, 6)), (None, (3, 7))]),
+    ((8, 4, None), 1, [(8, (0,)), (4, (1,)), (None, (2,))]),
+])
+def test_layers_fall_into_groups_of_one_page_size(windows, size, groups):
+    spec = KVCacheSpec(len(windows), 2, 8, 4, torch.float16, sliding_windows=windows)
+    assert spec.page_layers == size
+    assert [(g.window, g.layers) for g in spec.kv_cache_groups] == groups
+    assert spec.bytes_per_block == 2 * size * 2 * 8 * 2 * 4
+    assert spec.bytes_per_token == 2 * len(windows) * 2 * 8 * 2  # every layer in full
+    for index, group in enumerate(spec.kv_cache_groups):
+        for slot, layer in enumerate(group.layers):
+            assert spec.page_slot(layer) == (index, slot)
+    with pytest.raises(ValueError, match="layer"):
+        spec.page_slot(len(windows))
+
+
+def test_a_spec_without_windows_is_one_full_group():
+    spec = KVCacheSpec(5, 2, 8, 4)
+    assert spec.group_windows == (None,) and spec.page_layers == 5
+    assert spec.hybrid_kv_bytes(10, batch=3) == 3 * 3 * spec.bytes_per_block
+    assert spec.bytes_per_block == spec.bytes_per_token * 4
+
+
+def test_a_windowed_spec_pages_its_cache_by_group():
+    spec = KVCacheSpec(6, 2, 8, 4, torch.float16, sliding_windows=(4, None) * 3)
+    cache = PagedKVCache(spec, 10)
+    assert len(cache.key_caches) == len(cache.value_caches) == spec.page_layers == 3
+    assert cache.nbytes == 10 * spec.bytes_per_block == sum(
+        t.numel() * t.element_size() for t in cache.key_caches + cache.value_caches)
+    for layer in range(6):
+        group, slot = spec.page_slot(layer)
+        assert cache.layer(layer)[0] is cache.key_caches[slot]
+    assert cache.layer(0)[0] is cache.layer(1)[0]  # slot 0 of the window and the full group
+    assert cache.layer(0)[0] is not cache.layer(2)[0]
+    fp8 = PagedKVCache(KVCacheSpec(6, 2, 8, 4, torch.float16, torch.float8_e4m3fn,
+                                   sliding_windows=(4, None) * 3), 2)
+    assert len(fp8.k_scales) == 6  # one scale per layer, not per tensor

@@ -109,6 +109,58 @@ def test_size_and_simulate_per_tensor_parallel_rank(capsys):
     assert code == 2 and "argument --tp" in err
 
 
+def test_size_reports_the_hybrid_manager_beside_full_attention(capsys):
+    code, out, _ = run(capsys, "size", "--model", "gpt-oss-120b", "--seq-len", "32768",
+                       "--memory", "80GiB")
+    assert code == 0
+    assert "hybrid manager 2 KV cache groups over one pool, a block = a page of 18 layers" in out
+    assert "36.1 KiB   at 32,768 tokens, against 72 KiB with every layer in full (0.50x)" in out
+    assert "70 sequences of 32,768 (every layer in full: 35)" in out
+    data = run_json(capsys, "size", "--model", "gpt-oss-120b", "--seq-len", "32768")
+    page = 2 * 18 * 8 * 64 * 2 * 16
+    assert data["hybrid"]["bytes_per_page"] == page
+    assert data["hybrid"]["hybrid_bytes_per_seq"] == (2048 + 8) * page  # 128 / 16 + 0 blocks
+    assert data["hybrid"]["full_bytes_per_token"] == data["bytes_per_token"] == 73728
+    assert [g["window"] for g in data["hybrid"]["groups"]] == [128, None]
+    custom = run_json(capsys, "size", "--layers", "4", "--kv-heads", "2", "--head-size", "64",
+                      "--sliding-window", "8", "--full-every", "2", "--seq-len", "100",
+                      "--block-size", "4")
+    assert custom["hybrid"]["hybrid_bytes_per_seq"] == (25 + 2) * 2 * 2 * 2 * 64 * 2 * 4
+    assert "hybrid" not in run_json(capsys, "size", "--model", "llama-3-8b")
+    assert "hybrid" not in run_json(capsys, "size", "--model", "gemma-2-9b",
+                                    "--sliding-window", "0")
+    code, _, err = run(capsys, "size", "--layers", "2", "--kv-heads", "2", "--head-size", "8",
+                       "--full-every", "2")
+    assert code == 2 and "argument --full-every: needs --sliding-window" in err
+
+
+def test_simulate_reports_the_hybrid_kv_per_token(capsys):
+    sim = ["simulate", "--requests", "20", "--model", "gpt-oss-20b", "--device", "h100",
+           "--max-len", "1024", "--no-progress", "--strategies", "paged"]
+    code, out, _ = run(capsys, *sim)
+    assert code == 0
+    assert ("kv       48 KiB per token with every layer in full; the hybrid manager holds "
+            "27 KiB per token of a 1,024-token request (0.56x") in out  # (64 + 8) pages / 1024
+    data = run_json(capsys, *sim)
+    page = 2 * 12 * 8 * 64 * 2 * 16
+    assert data["kv"]["hybrid_bytes_per_token"] == (64 + 8) * page / 1024
+    code, out, _ = run(capsys, *SMALL_SIM, "--strategies", "paged")
+    assert "no sliding-window layers" in out
+    default = run_json(capsys, *sim[:-2], "--memory", "1GiB")
+    assert list(default["strategies"]) == ["contiguous", "paged", "paged+prefix", "paged+hybrid"]
+    assert default["strategies"]["paged+hybrid"]["finished"] == 20
+    code, out, _ = run(capsys, *sim[:-2], "--memory", "1GiB", "--strategies", "paged+hybrid")
+    pages = int(out.split("paged+hybrid: ")[1].split(" blocks")[0].replace(",", ""))
+    blocks = int(out.split("budget   ")[1].split(" blocks")[0].replace(",", ""))
+    assert code == 0 and pages == 2 * blocks  # pages of 12 of the 24 layers
+    code, _, err = run(capsys, *SMALL_SIM, "--strategies", "paged+hybrid")
+    assert code == 2 and "paged+hybrid needs a model with sliding-window layers" in err
+    code, _, err = run(capsys, *sim[:-2], "--strategies", "paged+hybrid", "--cpu-blocks", "8")
+    assert code == 2 and "preempts by recompute" in err
+    swap = run_json(capsys, *sim[:-2], "--memory", "1GiB", "--cpu-blocks", "8")
+    assert "paged+hybrid" not in swap["strategies"]
+
+
 def test_size_errors(capsys):
     code, _, err = run(capsys, "size", "--layers", "2")
     assert code == 2 and "--kv-heads" in err
@@ -288,7 +340,8 @@ BAD_VALUES = {
         "--seq-len": ["0", "-5", "x"], "--batch": ["0", "-5", "x", "2.0"],
         "--dtype": ["int8", "0"], "--cache-dtype": ["int3", "-5"],
         "--block-size": ["0", "-5", "x"], "--memory": ["0", "-5", "lots", "0GiB"],
-        "--tp": ["0", "-5", "x", "3", "64"],
+        "--tp": ["0", "-5", "x", "3", "64"], "--sliding-window": ["-5", "x", "1.5"],
+        "--full-every": ["-5", "x", "1.5"],
     },
     "simulate": {
         "--trace": ["nope", MISSING], "--requests": ["0", "-5", "x", "1.5"],

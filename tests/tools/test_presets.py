@@ -34,9 +34,52 @@ def test_size_llama3_70b_and_fp8_by_hand():
 @pytest.mark.parametrize("name, per_token", [
     ("Mistral-7B", 2 * 32 * 8 * 128 * 2), ("Qwen2.5-7B", 2 * 28 * 4 * 128 * 2),
     ("Gemma-2-9B", 2 * 42 * 8 * 256 * 2), ("OPT-13B", 819200),  # the vLLM paper's "800 KB"
+    ("gpt-oss-20b", 2 * 24 * 8 * 64 * 2), ("Gemma-3-27B", 2 * 62 * 16 * 128 * 2),
 ])
 def test_preset_bytes_per_token(name, per_token):
     assert get_model(name).spec().bytes_per_token == per_token
+
+
+@pytest.mark.parametrize("name, config, kwargs", [
+    ("gpt-oss-20b", "GptOssConfig", {}), ("gpt-oss-120b", "GptOssConfig", {}),
+    ("Gemma-2-9B", "Gemma2Config", {}),
+    ("Gemma-3-27B", "Gemma3TextConfig", {"sliding_window_pattern": 6}),
+])
+def test_windowed_layers_are_those_of_transformers_layer_types(name, config, kwargs):
+    transformers = pytest.importorskip("transformers")
+    preset = get_model(name)
+    types = getattr(transformers, config)(num_hidden_layers=preset.num_layers,
+                                          **kwargs).layer_types
+    assert [w is not None for w in preset.layer_windows] == \
+        [t == "sliding_attention" for t in types]
+    assert {w for w in preset.layer_windows if w} == {preset.sliding_window}
+
+
+def test_window_presets_by_hand():
+    gpt = get_model("gpt-oss-120b").spec(hybrid=True)
+    assert gpt.bytes_per_token == 2 * 36 * 8 * 64 * 2  # every layer in full: as before
+    assert [(g.window, len(g.layers)) for g in gpt.kv_cache_groups] == [(128, 18), (None, 18)]
+    page = 2 * 18 * 8 * 64 * 2 * 16
+    assert gpt.bytes_per_block == page
+    assert gpt.hybrid_kv_bytes(32768) == (2048 + 128 // 16) * page
+    assert gpt.hybrid_kv_bytes(32769) == (2049 + 128 // 16 + 1) * page  # a window + one block
+    gemma = get_model("Gemma-3-27B").spec(hybrid=True)
+    assert [len(g.layers) for g in gemma.kv_cache_groups] == [10] * 5 + [2, 10]
+    assert gemma.group_windows == (1024,) * 6 + (None,)
+    assert gemma.hybrid_kv_bytes(32768) == (6 * 64 + 2048) * 2 * 10 * 16 * 128 * 2 * 16
+    mistral = get_model("Mistral-7B-v0.1").spec(hybrid=True)
+    assert mistral.group_windows == (4096,) and mistral.page_layers == 32
+    assert mistral.hybrid_kv_bytes(32768) == 256 * mistral.bytes_per_block
+    assert get_model("Mistral-7B").layer_windows is None
+    assert get_model("gpt-oss-120b").spec().sliding_windows is None  # the default: all full
+
+
+@pytest.mark.parametrize("name, published", [
+    ("gpt-oss-20b", 20.9e9), ("gpt-oss-120b", 116.8e9), ("Gemma-3-27B", 27e9),
+    ("Mistral-7B-v0.1", 7.24e9),
+])
+def test_window_presets_parameter_counts(name, published):
+    assert get_model(name).num_params == pytest.approx(published, rel=0.02)
 
 
 def test_presets_gqa_divides_heads():

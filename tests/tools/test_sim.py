@@ -208,3 +208,30 @@ def test_simulation_errors():
     with pytest.raises(ValueError, match="arrivals"):
         sim.simulate([Request(0, 1, 1)], cost, num_slots=64, max_len=8, arrivals=[0.0, 1.0])
     assert sim.STRATEGIES == ("contiguous", "paged", "paged+prefix")
+
+
+def test_the_hybrid_strategy_runs_the_hybrid_manager_on_more_pages():
+    from pagedkv.blocks.hybrid import HybridBlockManager
+    from pagedkv.tools.presets import get_model
+
+    spec = get_model("gpt-oss-20b").spec(16, hybrid=True)
+    hybrid = sim.Hybrid.of(spec)
+    assert hybrid == sim.Hybrid((128, None), 2.0)
+    requests = synthetic_trace("sharegpt", 60, seed=3, max_len=1024)
+    arrivals = [0.0] * len(requests)
+    results = {name: sim.run_strategy(name, requests, arrivals, LinearCost(), 6000, 16, 1024,
+                                      hybrid=hybrid)
+               for name in ("paged+prefix", sim.HYBRID)}
+    prefix, hybrid_run = results["paged+prefix"], results[sim.HYBRID]
+    assert hybrid_run.finished == prefix.finished == 60
+    assert hybrid_run.peak_running > prefix.peak_running  # twice the pages, windows freed
+    assert hybrid_run.preemptions < prefix.preemptions
+    config = sim.strategy_config(sim.HYBRID, 12000, 16, 1024)
+    server = sim.SimulatedServer(config, LinearCost(), 1024, hybrid.groups)
+    assert isinstance(server.manager, HybridBlockManager)
+    assert server.scheduler.manager is server.manager
+    with pytest.raises(ValueError, match="needs the model's KV cache groups"):
+        sim.run_strategy(sim.HYBRID, requests, arrivals, LinearCost(), 6000)
+    with pytest.raises(ValueError, match="num_cpu_blocks"):
+        sim.run_strategy(sim.HYBRID, requests, arrivals, LinearCost(), 6000, hybrid=hybrid,
+                         num_cpu_blocks=8)

@@ -1,16 +1,19 @@
 """Layer 3, block management: integer bookkeeping over a pool of block ids. The allocator
 (reference counts, LRU of cached blocks), the prefix cache (verified chained hashes), the
 manager (sequences -> block tables, copy-on-write, swaps, batch tensors) with its sequence
-registry, and the plans that carry its cache work to a ``PlanExecutor``.
+registry, the hybrid manager of several KV cache groups (sliding windows), and the plans that
+carry its cache work to a ``PlanExecutor``.
 
 May import ``pagedkv.cache``, ``pagedkv.ops`` and the base modules; never serving or tools.
 """
 
 from pagedkv.blocks.allocator import NULL_BLOCK, BlockAllocator
-from pagedkv.blocks.batch import PAD_BLOCK, BatchTensors
+from pagedkv.blocks.batch import PAD_BLOCK, PAD_WINDOW, BatchTensors
+from pagedkv.blocks.hybrid import HybridBlockManager
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.blocks.plan import PHASES, CachePlan, Phase, PlanExecutor, cpu_cache_for
 from pagedkv.blocks.prefix import PrefixCache
 
-__all__ = ["NULL_BLOCK", "PAD_BLOCK", "PHASES", "BatchTensors", "BlockAllocator", "BlockManager",
-           "CachePlan", "Phase", "PlanExecutor", "PrefixCache", "cpu_cache_for"]
+__all__ = ["NULL_BLOCK", "PAD_BLOCK", "PAD_WINDOW", "PHASES", "BatchTensors", "BlockAllocator",
+           "BlockManager", "CachePlan", "HybridBlockManager", "Phase", "PlanExecutor",
+           "PrefixCache", "cpu_cache_for"]

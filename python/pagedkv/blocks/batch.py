@@ -12,12 +12,14 @@ from pagedkv import checks
 from pagedkv.blocks.allocator import NULL_BLOCK
 from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["PAD_BLOCK", "PAD_SLOT", "BatchTensors", "BlockTableRows"]
+__all__ = ["PAD_BLOCK", "PAD_SLOT", "PAD_WINDOW", "BatchTensors", "BlockTableRows"]
 
 PAD_BLOCK = NULL_BLOCK
 """Padding of block tables past a sequence's last block: block 0, the reserved null block."""
 PAD_SLOT = -1
 """Padding of slot_mapping: reshape_and_cache skips negative slots."""
+PAD_WINDOW = -1
+"""A sliding-window group's table entry of a block freed behind the window: never read."""
 
 
 @dataclass(slots=True)
@@ -28,6 +30,11 @@ class BatchTensors:
     ``seq_lens`` int32 ``[num_seqs]`` (tokens including this step's);
     ``slot_mapping`` int64 ``[num_tokens]`` (the query tokens; ``PAD_SLOT`` -1 for padding);
     ``query_start_loc`` int32 ``[num_seqs + 1]``; ``max_seq_len``/``max_query_len`` host ints.
+    ``group_block_tables`` / ``group_slot_mappings``: each KV cache group's block tables and
+    slot mapping, in group order (the layers of group g write with ``group_slot_mappings[g]``
+    and attend with ``group_block_tables[g]``); one group: ``(block_tables,)`` and
+    ``(slot_mapping,)``. A sliding-window group's table keeps logical positions: the entries
+    of blocks that no query of the sequence can reach any more hold ``PAD_WINDOW`` (-1).
     """
 
     block_tables: torch.Tensor
@@ -36,6 +43,8 @@ class BatchTensors:
     query_start_loc: torch.Tensor
     max_seq_len: int
     max_query_len: int
+    group_block_tables: tuple[torch.Tensor, ...] = ()
+    group_slot_mappings: tuple[torch.Tensor, ...] = ()
 
 
 class BlockTableRows:
@@ -119,7 +128,8 @@ class BlockTableRows:
         if device is not None:
             tensors = [tensor.to(device) for tensor in tensors]
         return BatchTensors(*tensors, max_seq_len=max_seq_len,
-                            max_query_len=int(query_lens.max()) if n else 0)
+                            max_query_len=int(query_lens.max()) if n else 0,
+                            group_block_tables=(tensors[0],), group_slot_mappings=(tensors[2],))
 
     def _slot_mapping(self, rows: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
                       query_start_loc: np.ndarray, pad_to: int | None) -> np.ndarray:

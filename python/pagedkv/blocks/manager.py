@@ -10,6 +10,7 @@ import torch
 from pagedkv import checks
 from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.blocks.batch import BatchTensors, BlockTableRows
+from pagedkv.blocks.groups import check_group, check_groups
 from pagedkv.blocks.plan import CachePlan, PendingPlan, Phase
 from pagedkv.blocks.prefix import BlockKey, PrefixCache
 from pagedkv.blocks.sequences import SeqState, SequenceRegistry
@@ -32,6 +33,8 @@ class BlockManager:
             names a live block.
         debug_nan: plans list freshly allocated, freed and evicted blocks (and the null block) for
             a NaN fill, so a read of stale or padding data shows up.
+        groups: the KV cache groups' windows (None: full attention), e.g. ``spec.group_windows``;
+            several groups or a window make a ``HybridBlockManager`` (``pagedkv.blocks.hybrid``).
 
     The cache work that calls imply is not done here: it is recorded in a ``PendingPlan``
     (``pagedkv.blocks.plan``; ``plan()`` is its snapshot), which a ``PlanExecutor`` applies before
@@ -62,6 +65,15 @@ class BlockManager:
         manager.free("req-0")
     """
 
+    group_windows: tuple[int | None, ...] = (None,)  # each KV cache group's window: one, full
+
+    def __new__(cls, *args: object, groups: Sequence[int | None] | None = None,
+                **kwargs: object) -> BlockManager:
+        if cls is BlockManager and groups is not None and check_groups(groups) != (None,):
+            from pagedkv.blocks.hybrid import HybridBlockManager  # it subclasses this one
+            cls = HybridBlockManager
+        return super().__new__(cls)
+
     def __init__(
         self,
         num_blocks: int,
@@ -71,6 +83,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         reserve_null_block: bool = True,
         debug_nan: bool = False,
+        groups: Sequence[int | None] | None = None,
     ) -> None:
         num_blocks = checks.positive(num_blocks, "num_blocks", checks.INT32_MAX)
         self.block_size = checks.positive(block_size, "block_size", checks.INT32_MAX)
@@ -105,8 +118,9 @@ class BlockManager:
         """Tokens of the sequence."""
         return len(self._sequences.get(seq_id).token_ids)
 
-    def block_table(self, seq_id: Hashable) -> list[int]:
+    def block_table(self, seq_id: Hashable, group: int = 0) -> list[int]:
         """A copy of the sequence's block table (CPU pool block ids while swapped out)."""
+        check_group(group, 1)
         return list(self._sequences.get(seq_id).block_table)
 
     def is_swapped(self, seq_id: Hashable) -> bool:

@@ -25,7 +25,7 @@ from pagedkv import checks
 from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["BlockKey", "PrefixCache", "PrefixCacheStats", "encode_block", "hash_block"]
+__all__ = ["BlockKey", "PrefixCache", "PrefixCacheStats", "chain", "encode_block", "hash_block"]
 
 _ROOT = bytes(32)
 ROOT_ENTRY = -1
@@ -60,6 +60,20 @@ def _encode(parent_hash: bytes, token_ids: Sequence[int], extra: bytes) -> bytes
 
 def _digest(payload: bytes) -> bytes:
     return hashlib.sha256(payload).digest()
+
+
+def chain(token_ids: list[int], extra: bytes, block_size: int, start: int, stop: int,
+          parent_hash: bytes | None = None) -> list[tuple[bytes, bytes]]:
+    """``(hash, encoding)`` of full blocks ``start`` to ``stop - 1`` of ``token_ids`` (checked
+    tokens, the canonical extra key), chained to ``parent_hash``: the hash of block
+    ``start - 1`` (None for a first block)."""
+    out = []
+    parent = parent_hash or _ROOT
+    for i in range(start, stop):
+        payload = _encode(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
+        parent = _digest(payload)
+        out.append((parent, payload))
+    return out
 
 
 def hash_block(
@@ -156,6 +170,28 @@ class PrefixCache:
             blocks.append(entry[_BLOCK])
             keys.append((block_hash, parent_id))
         return blocks, keys
+
+    def find(self, block_hash: bytes, payload: bytes) -> int | None:
+        """The block cached under ``block_hash`` with exactly this encoding (``chain``), or None:
+        the lookup of a sliding-window group, which holds no chain of parents to walk (the
+        encoding holds the parent's hash, so the match covers the whole prefix)."""
+        entry = self._by_hash.get(block_hash)
+        return entry[_BLOCK] if entry is not None and entry[_PAYLOAD] == payload else None
+
+    def add(self, block: int, block_hash: bytes, payload: bytes) -> None:
+        """Cache a full, used block of a sliding-window group under its chained hash (``find``
+        finds it); nothing when the hash or the block is cached already."""
+        if block_hash in self._by_hash or block in self._by_block:
+            return
+        self.allocator.mark_cached(block)
+        entry_id = self._next_id
+        self._next_id = entry_id + 1
+        self._by_hash[block_hash] = self._by_block[block] = (block, block_hash, payload,
+                                                             NO_ENTRY, entry_id)
+
+    def holds(self, block: int) -> bool:
+        """Whether ``block`` holds one of this cache's entries."""
+        return block in self._by_block
 
     def record_query(self, query_tokens: int, hit_tokens: int) -> None:
         """Count one lookup of ``query_tokens`` tokens of which ``hit_tokens`` were cached."""

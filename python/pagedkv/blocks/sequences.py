@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +20,9 @@ from pagedkv.errors import (
     SequenceStateError,
     UnknownSequenceError,
 )
+
+if TYPE_CHECKING:
+    from pagedkv.blocks.groups import GroupTables
 
 __all__ = ["SeqState", "SequenceRegistry"]
 
@@ -36,6 +40,7 @@ class SeqState:
     extra: bytes  # the canonical encoding of extra_key
     row: int = -1  # row in BlockManager.tables while resident
     swapped: bool = False
+    groups: GroupTables | None = None  # every group's tables (a manager of several groups)
 
 
 class SequenceRegistry:

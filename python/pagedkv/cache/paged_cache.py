@@ -49,6 +49,12 @@ def zeros_kv(shape: Sequence[int], dtype: torch.dtype, device: torch.device | st
 class PagedKVCache:
     """The K and V caches of every layer, ``[num_blocks, num_kv_heads, block_size, head_size]``.
 
+    A spec with sliding windows is paged as the hybrid manager pages it: ``spec.page_layers``
+    K and V tensors, one per slot of a page, and layer i reads and writes the tensor of its slot
+    in its group (``spec.page_slot``). Block b belongs to one group at a time (the manager's
+    tables), so in slot s it holds that group's layer s; the copies, swaps and fills of a block
+    move its whole page. Without windows every layer has its own tensors, as before.
+
     Args:
         spec: shape and dtypes.
         num_blocks: blocks per layer (block 0 included, whether or not a manager reserves it).
@@ -77,7 +83,8 @@ class PagedKVCache:
         shape = (num_blocks, *spec.block_shape)
         self.key_caches: list[torch.Tensor] = []
         self.value_caches: list[torch.Tensor] = []
-        for _ in range(spec.num_layers):
+        self._slots = [spec.page_slot(layer)[1] for layer in range(spec.num_layers)]
+        for _ in range(spec.page_layers):
             if combined_kv:
                 kv = zeros_kv((num_blocks, 2, *spec.block_shape), spec.kv_dtype, self.device,
                               pin_memory=pin)
@@ -103,12 +110,13 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the K and V tensors of all layers."""
+        """Bytes held by the K and V tensors (``num_blocks`` pages of ``spec.page_layers``)."""
         return self.num_blocks * self.spec.bytes_per_block
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(key_cache, value_cache)`` of one layer."""
-        return self.key_caches[index], self.value_caches[index]
+        """``(key_cache, value_cache)`` of one layer (its page slot's tensors)."""
+        slot = self._slots[index]
+        return self.key_caches[slot], self.value_caches[slot]
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy block src to dst in every layer, K and V, with one ``pagedkv.ops.copy_blocks``."""

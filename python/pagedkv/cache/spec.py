@@ -2,16 +2,59 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagedkv import checks
+from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["CACHE_DTYPES", "FP8_DTYPES", "KVCacheSpec"]
+__all__ = ["CACHE_DTYPES", "FP8_DTYPES", "KVCacheGroup", "KVCacheSpec", "check_window",
+           "kv_cache_groups"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
+
+
+def check_window(value: object, name: str) -> int | None:
+    """A sliding window: None (full attention) or a positive number of tokens."""
+    return None if value is None else checks.positive(value, name, checks.INT32_MAX)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroup:
+    """Layers that share block tables: one attention kind (``window`` None: full attention,
+    else a sliding window of that many tokens) and the layer indices of the group."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+    def blocks_held(self, num_tokens: int, block_size: int) -> int:
+        """Blocks a decoding sequence of ``num_tokens`` tokens holds in this group (the manager's
+        count once its last token is appended): all under full attention; under a window, from
+        the block of token ``num_tokens - window`` (the oldest key its last query attends) on."""
+        last = -(-num_tokens // block_size)
+        if self.window is None or num_tokens <= self.window:
+            return last
+        return last - (num_tokens - self.window) // block_size
+
+
+def kv_cache_groups(windows: Sequence[int | None]) -> tuple[int, tuple[KVCacheGroup, ...]]:
+    """Layers grouped by attention kind as the hybrid manager pages them: ``(layers per
+    group, groups)``. Every group has the same number of layers, so that every group's block
+    (a page of its layers) has the same bytes and one pool serves them all. The group size is
+    the fewest layers of one kind (the "1" of an n:1 interleave), or the most when the kinds are
+    within 25% of each other (fewer padded slots); a kind's layers are cut into groups of that
+    size, its last group maybe short (its page keeps the unused slots). One kind: one group."""
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(windows):
+        kinds.setdefault(window, []).append(layer)
+    counts = [len(layers) for layers in kinds.values()]
+    size = max(counts) if max(counts) < 1.25 * min(counts) else min(counts)
+    groups = tuple(KVCacheGroup(window, tuple(layers[i:i + size]))
+                   for window, layers in kinds.items() for i in range(0, len(layers), size))
+    return size, groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +71,10 @@ class KVCacheSpec:
         dtype: the model's activation dtype (what ``reshape_and_cache`` receives).
         cache_dtype: the dtype stored in the cache; ``None`` means the same as ``dtype``.
             fp8 caches carry float32 ``k_scale``/``v_scale`` per layer.
+        sliding_windows: per layer, None (full attention) or the layer's sliding window in
+            tokens; None (the default) means every layer attends in full. Layers fall into
+            ``kv_cache_groups``; a pool block is one page of ``page_layers`` layers
+            (``bytes_per_block``), which a group's block tables use for its own layers.
 
     Example:
         >>> spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
@@ -41,11 +88,20 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype = torch.float16
     cache_dtype: torch.dtype | None = None
+    sliding_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
             value = checks.positive(getattr(self, name), f"KVCacheSpec.{name}", checks.INT32_MAX)
             object.__setattr__(self, name, value)  # a numpy or 0-d tensor int as a Python int
+        if self.sliding_windows is not None:
+            windows = tuple(check_window(w, f"KVCacheSpec.sliding_windows[{i}]")
+                            for i, w in enumerate(self.sliding_windows))
+            if len(windows) != self.num_layers:
+                raise InvalidArgumentError(
+                    f"KVCacheSpec.sliding_windows must hold one entry per layer "
+                    f"({self.num_layers}), got {len(windows)}")
+            object.__setattr__(self, "sliding_windows", windows)
         if self.kv_dtype not in CACHE_DTYPES:
             names = ", ".join(str(d) for d in CACHE_DTYPES)
             raise ValueError(f"KVCacheSpec cache dtype {self.kv_dtype} is not one of {names}")
@@ -72,13 +128,44 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers."""
+        """Bytes of K and V for one token over all layers (every layer attending in full)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.element_size
 
     @property
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The layers grouped by attention kind (``kv_cache_groups``); one group of all layers
+        without sliding windows."""
+        return kv_cache_groups(self.sliding_windows or (None,) * self.num_layers)[1]
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """Each group's window (None: full attention): ``BlockManager(groups=...)``."""
+        return tuple(group.window for group in self.kv_cache_groups)
+
+    @property
+    def page_layers(self) -> int:
+        """Layers in one page (a pool block): the layers of a group; all without windows."""
+        return kv_cache_groups(self.sliding_windows or (None,) * self.num_layers)[0]
+
+    def page_slot(self, layer: int) -> tuple[int, int]:
+        """``(group, slot)`` of a layer: its group's index and its place in the group's page."""
+        for index, group in enumerate(self.kv_cache_groups):
+            if layer in group.layers:
+                return index, group.layers.index(layer)
+        raise InvalidArgumentError(f"layer must be in [0, {self.num_layers}), got {layer!r}")
+
+    @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block over all layers, K and V."""
-        return self.bytes_per_token * self.block_size
+        """Bytes of one pool block, K and V: one page of ``page_layers`` layers (all layers
+        without sliding windows)."""
+        return (2 * self.page_layers * self.num_kv_heads * self.head_size * self.element_size
+                * self.block_size)
+
+    def hybrid_kv_bytes(self, seq_len: int, batch: int = 1) -> int:
+        """Bytes the hybrid manager holds for ``batch`` sequences of ``seq_len`` tokens while
+        they decode: every group's blocks (``KVCacheGroup.blocks_held``), one page each."""
+        blocks = sum(g.blocks_held(seq_len, self.block_size) for g in self.kv_cache_groups)
+        return blocks * self.bytes_per_block * batch
 
     def kv_cache_bytes(self, seq_len: int, batch: int = 1) -> int:
         """Contiguous cache bytes: 2 x layers x kv_heads x head_size x seq_len x batch x bytes."""
@@ -89,5 +176,5 @@ class KVCacheSpec:
         return -(-num_tokens // self.block_size)
 
     def num_blocks_for(self, memory_bytes: int) -> int:
-        """How many whole blocks (all layers, K and V) fit in ``memory_bytes``."""
+        """How many whole pool blocks (``bytes_per_block``) fit in ``memory_bytes``."""
         return max(0, int(memory_bytes) // self.bytes_per_block)

@@ -4,6 +4,7 @@ Examples::
 
     pagedkv info
     pagedkv size --model llama-3-8b --seq-len 8192 --batch 16 --memory 80GiB
+    pagedkv size --model gpt-oss-120b --seq-len 32768 --memory 80GiB
     pagedkv size --layers 32 --kv-heads 8 --head-size 128 --cache-dtype fp8 --json
     pagedkv simulate
     pagedkv simulate --sweep-rate --plot latency.png --json
@@ -18,6 +19,7 @@ package (``python -m bench`` in a checkout).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -31,7 +33,7 @@ from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.parallel import kv_heads_per_rank
 from pagedkv.tools import argtypes, cli_simulate, demo
-from pagedkv.tools.presets import DTYPES, MODELS, format_bytes, size_report
+from pagedkv.tools.presets import DTYPES, MODELS, format_bytes, hybrid_report, size_report
 
 __all__ = ["main"]
 
@@ -149,6 +151,12 @@ def _add_size(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=argtypes.positive_int, default=1,
                    help="tensor parallel ranks: the figures are one rank's, holding its share of "
                         "the KV heads (default 1)")
+    p.add_argument("--sliding-window", type=argtypes.count, metavar="TOKENS",
+                   help="the window of the windowed layers, 0 for none (default: the preset's): "
+                        "adds the hybrid manager's figures")
+    p.add_argument("--full-every", type=argtypes.count, metavar="N",
+                   help="with --sliding-window: every N-th layer attends in full, 0 for none "
+                        "(default: the preset's, else 0)")
     p.set_defaults(parser=p)
 
 
@@ -173,10 +181,58 @@ def _size_spec(args: argparse.Namespace) -> tuple[str, KVCacheSpec, int]:
     return name, spec, args.seq_len or (preset.max_len if preset else 4096)
 
 
+def _layer_windows(args: argparse.Namespace, num_layers: int) -> tuple[int | None, ...] | None:
+    """Each layer's window from --sliding-window / --full-every or the preset (None: none)."""
+    preset = args.model
+    window = args.sliding_window
+    every = args.full_every
+    if args.full_every is not None and window is None and preset is None:
+        args.parser.error("argument --full-every: needs --sliding-window")
+    if window is None:
+        if preset is None or args.layers is not None:
+            return None
+        window = preset.sliding_window
+    if every is None:
+        every = preset.full_every if preset is not None else 0
+    if not window:
+        return None
+    return tuple(None if every and (i + 1) % every == 0 else window for i in range(num_layers))
+
+
+def _kinds(groups: list[dict]) -> list[str]:
+    """The groups by attention kind: layers, groups, blocks per sequence of each group."""
+    kinds: dict[int | None, list[dict]] = {}
+    for group in groups:
+        kinds.setdefault(group["window"], []).append(group)
+    return [f"{sum(g['layers'] for g in same)} layers "
+            + (f"window {window:,}" if window else "full attention")
+            + f" ({len(same)} group{'s' * (len(same) > 1)}, {same[0]['blocks_per_seq']:,} blocks"
+            + (" each)" if len(same) > 1 else ")")
+            for window, same in kinds.items()]
+
+
+def _hybrid_lines(spec: KVCacheSpec, h: dict, seq_len: int, full_fit: int | None) -> list[str]:
+    ratio = h["hybrid_bytes_per_token"] / h["full_bytes_per_token"]
+    lines = [f"hybrid manager {len(h['groups'])} KV cache groups over one pool, a block = a page "
+             f"of {spec.page_layers} layers ({format_bytes(h['bytes_per_page'])})",
+             "  groups       " + "; ".join(_kinds(h["groups"])),
+             f"  per token    {format_bytes(h['hybrid_bytes_per_token']):>10}   at {seq_len:,} "
+             f"tokens, against {format_bytes(h['full_bytes_per_token'])} with every layer in "
+             f"full ({ratio:.2f}x)",
+             f"  per sequence {format_bytes(h['hybrid_bytes_per_seq']):>10}   batch "
+             f"{h['batch']}: "
+             f"{format_bytes(h['hybrid_kv_cache_bytes'])}"]
+    if "hybrid_seqs_fit" in h:
+        lines.append(f"  in the budget {h['hybrid_seqs_fit']:>9,} sequences of {seq_len:,} "
+                     f"(every layer in full: {full_fit:,})")
+    return lines
+
+
 def _size(args: argparse.Namespace) -> int:
     if args.list_models:
         return _list_models(args)
     name, spec, seq_len = _size_spec(args)
+    windows = _layer_windows(args, spec.num_layers)
     memory = args.memory
     r = size_report(spec, seq_len, args.batch, memory)
     dtype = str(spec.kv_dtype).removeprefix("torch.")
@@ -199,6 +255,10 @@ def _size(args: argparse.Namespace) -> int:
     if memory is not None:
         lines.append(f"in {format_bytes(memory):<11} {r['tokens_fit']:>10,} tokens = "
                      f"{r['blocks_fit']:,} blocks = {r['seqs_fit']:,} sequences of {seq_len:,}")
+    if windows is not None:
+        hybrid = dataclasses.replace(spec, sliding_windows=windows)
+        data["hybrid"] = hybrid_report(hybrid, seq_len, args.batch, memory)
+        lines += _hybrid_lines(hybrid, data["hybrid"], seq_len, r.get("seqs_fit"))
     if args.tp > 1:
         lines.append(f"tensor parallel over {args.tp} ranks: the figures are each rank's, with "
                      f"{spec.num_kv_heads} KV head(s) per rank; blocks are per rank")
@@ -207,16 +267,26 @@ def _size(args: argparse.Namespace) -> int:
     return _print(args, data, "\n".join(lines))
 
 
+def _window(row: dict) -> str:
+    """``128 1:1`` (windowed : full layers), ``4096`` (every layer) or ``-``."""
+    if not row["sliding_window"]:
+        return "-"
+    every = row["full_every"]
+    return f"{row['sliding_window']} {every - 1}:1" if every else str(row["sliding_window"])
+
+
 def _list_models(args: argparse.Namespace) -> int:
     rows = [{"name": m.name, "num_layers": m.num_layers, "num_heads": m.num_heads,
              "num_kv_heads": m.num_kv_heads, "head_size": m.head_size, "max_len": m.max_len,
-             "dtype": m.dtype, "bytes_per_token": m.spec().bytes_per_token, "note": m.note}
+             "dtype": m.dtype, "bytes_per_token": m.spec().bytes_per_token,
+             "sliding_window": m.sliding_window, "full_every": m.full_every, "note": m.note}
             for m in MODELS.values()]
     lines = [f"{'model':<16}{'layers':>7}{'heads':>6}{'kv':>4}{'head':>5}{'max_len':>9}"
-             f"{'dtype':>6}{'per token':>11}"]
+             f"{'dtype':>6}{'per token':>11}{'window':>11}"]
     lines += [f"{r['name']:<16}{r['num_layers']:>7}{r['num_heads']:>6}{r['num_kv_heads']:>4}"
               f"{r['head_size']:>5}{r['max_len']:>9}{r['dtype']:>6}"
-              f"{format_bytes(r['bytes_per_token']):>11}  {r['note']}".rstrip() for r in rows]
+              f"{format_bytes(r['bytes_per_token']):>11}{_window(r):>11}  {r['note']}".rstrip()
+              for r in rows]
     return _print(args, {"models": rows}, "\n".join(lines))
 
 

@@ -47,9 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _scheduler_options(p.add_argument_group("scheduler"))
     _load_options(p.add_argument_group("load"))
     out = p.add_argument_group("output")
-    out.add_argument("--strategies", type=argtypes.choices_list(sim.STRATEGIES),
-                     default=list(sim.STRATEGIES),
-                     help="comma-separated subset of " + ", ".join(sim.STRATEGIES))
+    out.add_argument("--strategies", type=argtypes.choices_list(sim.ALL_STRATEGIES),
+                     help="comma-separated subset of " + ", ".join(sim.ALL_STRATEGIES)
+                          + f" (default: all; {sim.HYBRID} only for a model with sliding-window "
+                            "layers)")
     out.add_argument("--plot", type=argtypes.output_file, metavar="PNG",
                      help="write a plot: memory over time, or latency vs rate with --sweep-rate")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> tuple[dict, str]:
     """Runs ``pagedkv simulate``; returns (JSON data, text). Bad combinations of options end in
     argparse's error (exit 2) before any simulation."""
     _check_option_pairs(args)
+    _resolve_strategies(args)
     roofline = _roofline(args)
     job = _Job(_requests(args), _calibration(args) if args.calibrate else roofline,
                _budget(args, roofline), _options(args))
@@ -177,6 +179,22 @@ def _check_option_pairs(args: argparse.Namespace) -> None:
         error("argument --calibrated-model: needs --calibrate")
     if args.calibrate and args.tp > 1:
         error("argument --tp: --calibrate prices steps measured on one device")
+
+
+def _resolve_strategies(args: argparse.Namespace) -> None:
+    """The default strategies (paged+hybrid with a windowed model), or a check of those given."""
+    windowed = args.model.layer_windows is not None
+    if args.strategies is None:
+        args.strategies = list(sim.ALL_STRATEGIES if windowed else sim.STRATEGIES)
+        if args.cpu_blocks:
+            args.strategies = list(sim.STRATEGIES)
+        return
+    if sim.HYBRID in args.strategies and not windowed:
+        args.parser.error(f"argument --strategies: {sim.HYBRID} needs a model with "
+                          f"sliding-window layers; {args.model.name} has none")
+    if sim.HYBRID in args.strategies and args.cpu_blocks:
+        args.parser.error(f"argument --strategies: {sim.HYBRID} preempts by recompute "
+                          "(--cpu-blocks 0)")
 
 
 def _requests(args: argparse.Namespace) -> list[traces.Request]:
@@ -236,9 +254,13 @@ def _check_fits(args: argparse.Namespace, job: _Job) -> None:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
+    hybrid = None
+    if args.model.layer_windows is not None:
+        hybrid = sim.Hybrid.of(args.model.spec(args.block_size, args.cache_dtype, args.tp,
+                                               hybrid=True))
     return dict(block_size=args.block_size, max_len=args.max_len, seed=args.seed,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                num_cpu_blocks=args.cpu_blocks)
+                num_cpu_blocks=args.cpu_blocks, hybrid=hybrid)
 
 
 def _priced(args: argparse.Namespace) -> str:
@@ -251,6 +273,10 @@ def _budget_text(args: argparse.Namespace, job: _Job) -> str:
     budget = job.budget
     text = (f"{budget.num_blocks:,} blocks x {budget.block_size} = {budget.num_slots:,} token "
             f"slots ({budget.source})")
+    hybrid = job.options["hybrid"]
+    if sim.HYBRID in args.strategies and hybrid is not None:
+        pages = int(budget.num_blocks * hybrid.pages_per_block)
+        text += f"; {sim.HYBRID}: {pages:,} blocks of {len(hybrid.groups)} groups' pages"
     if args.tp > 1:
         per_device = budget.num_blocks * budget.bytes_per_block
         text += (f"; tp {args.tp}: {format_bytes(per_device)} of KV and {budget.num_blocks:,} "
@@ -266,7 +292,31 @@ def _head(args: argparse.Namespace, job: _Job) -> list[str]:
             f"{stats['output_mean']:.0f} (p99 {stats['output_p99']:.0f}), "
             f"{stats['prefix_share']:.0%} with a shared prefix",
             f"cost     {_priced(args)}",
-            f"budget   {_budget_text(args, job)}, max_len {args.max_len}"]
+            f"budget   {_budget_text(args, job)}, max_len {args.max_len}",
+            f"kv       {_kv_text(_kv_per_token(args))}"]
+
+
+def _kv_per_token(args: argparse.Namespace) -> dict[str, object]:
+    """KV bytes per token (one device's) with every layer attending in full, and what the
+    hybrid manager holds per token of a request of ``--max-len`` tokens (None: no windows)."""
+    model, tp = args.model, args.tp
+    full = model.spec(args.block_size, args.cache_dtype, tp)
+    data: dict[str, object] = {"full_bytes_per_token": full.bytes_per_token,
+                               "hybrid_bytes_per_token": None, "at_tokens": args.max_len}
+    if model.layer_windows is not None:
+        hybrid = model.spec(args.block_size, args.cache_dtype, tp, hybrid=True)
+        data["hybrid_bytes_per_token"] = hybrid.hybrid_kv_bytes(args.max_len) / args.max_len
+    return data
+
+
+def _kv_text(kv: dict[str, object]) -> str:
+    full = f"{format_bytes(kv['full_bytes_per_token'])} per token with every layer in full"
+    if kv["hybrid_bytes_per_token"] is None:
+        return f"{full} (no sliding-window layers)"
+    ratio = kv["hybrid_bytes_per_token"] / kv["full_bytes_per_token"]
+    return (f"{full}; the hybrid manager holds {format_bytes(kv['hybrid_bytes_per_token'])} "
+            f"per token of a {kv['at_tokens']:,}-token request ({ratio:.2f}x; {sim.HYBRID} "
+            "runs it, the others page every layer)")
 
 
 def _config(args: argparse.Namespace, job: _Job) -> dict[str, object]:
@@ -295,7 +345,7 @@ def _once(args: argparse.Namespace, job: _Job, head: list[str]) -> tuple[dict, s
                else f"Poisson, {rate:g} requests/s")
     binds = report.what_binds(results, job.budget.num_slots, args.max_len)
     data = report.to_json(results, config=_config(args, job),
-                          trace=job.stats, binds=binds)
+                          trace=job.stats, binds=binds, kv=_kv_per_token(args))
     lines = [*head, f"arrivals {arrives}", "", report.format_table(results, legend=False), "",
              binds["text"], "", report.LEGEND, *_plotted(args)]
     return data, "\n".join(lines)
@@ -313,7 +363,7 @@ def _sweep(args: argparse.Namespace, job: _Job, head: list[str]) -> tuple[dict, 
     busiest = results[max(results)]
     binds = report.what_binds(busiest, job.budget.num_slots, args.max_len)
     data = report.sweep_json(results, args.latency_target, config=_config(args, job),
-                             trace=job.stats, binds=binds)
+                             trace=job.stats, binds=binds, kv=_kv_per_token(args))
     lines = [*head, "", report.format_sweep(results, args.latency_target), "",
              f"at the highest rate swept, {max(results):g} requests/s:", binds["text"],
              *_plotted(args)]

@@ -2,7 +2,10 @@
 
 The dimensions are those of each model's Hugging Face ``config.json``: ``num_hidden_layers``,
 ``num_key_value_heads`` (GQA: fewer than ``num_attention_heads``), ``head_dim`` (or
-``hidden_size / num_attention_heads``), ``max_position_embeddings`` and ``torch_dtype``.
+``hidden_size / num_attention_heads``), ``max_position_embeddings`` and ``torch_dtype``; the
+windowed layers those of ``sliding_window`` with ``layer_types`` as transformers derives it
+(gpt-oss and Gemma 2: every other layer windowed, from the first; Gemma 3: five of every six,
+``sliding_window_pattern`` 6; Mistral 7B v0.1: every layer).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.parallel import kv_heads_per_rank
 
-__all__ = ["DTYPES", "MODELS", "ModelPreset", "format_bytes", "get_model", "parse_bytes",
-           "size_report"]
+__all__ = ["DTYPES", "MODELS", "ModelPreset", "format_bytes", "get_model", "hybrid_report",
+           "parse_bytes", "size_report"]
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -39,7 +42,9 @@ class ModelPreset:
     norms, biases and learned position embeddings (under 0.1% of every preset here) are left out.
     ``gated_mlp``: three MLP matrices (gate, up, down: SwiGLU/GeGLU) or two (up, down: OPT's
     ReLU MLP). Mixture-of-experts presets hold ``num_experts`` MLPs per layer, of which
-    ``num_active_experts`` run for each token.
+    ``num_active_experts`` run for each token. ``sliding_window`` (0: none) is the window of
+    the windowed layers: all of them when ``full_every`` is 0, else all but every
+    ``full_every``-th (layers ``full_every - 1``, ``2 * full_every - 1``, ... attend in full).
     """
 
     name: str
@@ -57,13 +62,27 @@ class ModelPreset:
     gated_mlp: bool = True
     num_experts: int = 1
     num_active_experts: int = 1
+    sliding_window: int = 0
+    full_every: int = 0
 
-    def spec(self, block_size: int = 16, cache_dtype: str | None = None,
-             tp: int = 1) -> KVCacheSpec:
-        """The KVCacheSpec of this model's cache (of one of ``tp`` tensor-parallel ranks)."""
+    @property
+    def layer_windows(self) -> tuple[int | None, ...] | None:
+        """Each layer's sliding window (None: full attention); None without windowed layers."""
+        if not self.sliding_window:
+            return None
+        every = self.full_every
+        return tuple(None if every and (i + 1) % every == 0 else self.sliding_window
+                     for i in range(self.num_layers))
+
+    def spec(self, block_size: int = 16, cache_dtype: str | None = None, tp: int = 1,
+             hybrid: bool = False) -> KVCacheSpec:
+        """The KVCacheSpec of this model's cache (of one of ``tp`` tensor-parallel ranks):
+        every layer attending in full, or with ``hybrid`` its layers' windows (KV cache groups
+        paged as the hybrid manager pages them)."""
         kv = DTYPES[cache_dtype] if cache_dtype else None
         return KVCacheSpec(self.num_layers, kv_heads_per_rank(self.num_kv_heads, tp),
-                           self.head_size, block_size, DTYPES[self.dtype], kv)
+                           self.head_size, block_size, DTYPES[self.dtype], kv,
+                           self.layer_windows if hybrid else None)
 
     def check_tp(self, tp: int) -> None:
         """Raises InvalidArgumentError unless the heads split over ``tp`` ranks."""
@@ -133,6 +152,9 @@ class ModelPreset:
 
 _LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256}
 _MISTRAL_7B = {"hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 32000}
+_GPT_OSS = {"hidden_size": 2880, "intermediate_size": 2880, "vocab_size": 201088,
+            "num_active_experts": 4, "sliding_window": 128, "full_every": 2}
+_GPT_OSS_NOTE = "MoE weights ship in MXFP4 (sizes here count bf16); attention sinks"
 
 MODELS: dict[str, ModelPreset] = {m.name.lower(): m for m in [
     ModelPreset("Llama-3-8B", 32, 32, 8, 128, 8192, **_LLAMA3_8B),
@@ -144,7 +166,10 @@ MODELS: dict[str, ModelPreset] = {m.name.lower(): m for m in [
     ModelPreset("Llama-2-7B", 32, 32, 32, 128, 4096, "fp16", "MHA: no GQA", hidden_size=4096,
                 intermediate_size=11008, vocab_size=32000),
     ModelPreset("Mistral-7B", 32, 32, 8, 128, 32768,
-                note="v0.1 attends a 4096-token sliding window; v0.3 does not", **_MISTRAL_7B),
+                note="v0.3: no sliding window (v0.1: Mistral-7B-v0.1)", **_MISTRAL_7B),
+    ModelPreset("Mistral-7B-v0.1", 32, 32, 8, 128, 32768,
+                note="every layer attends a 4096-token sliding window", sliding_window=4096,
+                **_MISTRAL_7B),
     ModelPreset("Mixtral-8x7B", 32, 32, 8, 128, 32768,
                 note="8 experts, 2 active per token: weights count all 8, FLOPs the 2",
                 num_experts=8, num_active_experts=2, **_MISTRAL_7B),
@@ -152,10 +177,17 @@ MODELS: dict[str, ModelPreset] = {m.name.lower(): m for m in [
                 note="config.json of the base model: 131072; Instruct: 32768 (131072 with YaRN)",
                 hidden_size=3584, intermediate_size=18944, vocab_size=152064),
     ModelPreset("Gemma-2-9B", 42, 16, 8, 256, 8192,
-                note="config.json: float32; every other layer attends a 4096-token sliding "
-                     "window, sizes assume full caches on all layers",
+                note="config.json: float32; every other layer attends a 4096-token window",
                 hidden_size=3584, intermediate_size=14336, vocab_size=256000,
-                tied_embeddings=True),
+                tied_embeddings=True, sliding_window=4096, full_every=2),
+    ModelPreset("Gemma-3-27B", 62, 32, 16, 128, 131072,
+                note="text decoder; 5 of every 6 layers attend a 1024-token window",
+                hidden_size=5376, intermediate_size=21504, vocab_size=262208,
+                tied_embeddings=True, sliding_window=1024, full_every=6),
+    ModelPreset("gpt-oss-20b", 24, 64, 8, 64, 131072, note=_GPT_OSS_NOTE, num_experts=32,
+                **_GPT_OSS),
+    ModelPreset("gpt-oss-120b", 36, 64, 8, 64, 131072, note=_GPT_OSS_NOTE, num_experts=128,
+                **_GPT_OSS),
     ModelPreset("OPT-13B", 40, 40, 40, 128, 2048, "fp16",
                 "the vLLM paper's model: 800 KB/token; ReLU MLP (2 matrices)", hidden_size=5120,
                 intermediate_size=20480, vocab_size=50272, tied_embeddings=True,
@@ -196,11 +228,36 @@ def format_bytes(num: float) -> str:
     raise AssertionError
 
 
+def hybrid_report(spec: KVCacheSpec, seq_len: int, batch: int = 1,
+                  memory: int | None = None) -> dict[str, object]:
+    """What the hybrid manager holds for a spec with sliding windows (``spec.sliding_windows``):
+    its groups, page and, at ``seq_len``, bytes per sequence and per token beside every layer
+    attending in full, and the sequences of ``seq_len`` that fit in ``memory``."""
+    held = spec.hybrid_kv_bytes(seq_len)
+    report: dict[str, object] = {
+        "groups": [{"window": g.window, "layers": len(g.layers),
+                    "blocks_per_seq": g.blocks_held(seq_len, spec.block_size)}
+                   for g in spec.kv_cache_groups],
+        "page_layers": spec.page_layers,
+        "bytes_per_page": spec.bytes_per_block,
+        "hybrid_bytes_per_seq": held,
+        "hybrid_bytes_per_token": held / seq_len,
+        "full_bytes_per_token": spec.bytes_per_token,
+        "batch": batch,
+        "hybrid_kv_cache_bytes": held * batch,
+    }
+    if memory is not None:
+        pages = sum(g.blocks_held(seq_len, spec.block_size) for g in spec.kv_cache_groups)
+        report["hybrid_seqs_fit"] = spec.num_blocks_for(memory) // pages
+    return report
+
+
 def size_report(
     spec: KVCacheSpec, seq_len: int, batch: int = 1, memory: int | None = None
 ) -> dict[str, int | float]:
     """Byte counts of a KV cache: per token, per block, one sequence, the batch, and what fits in
-    ``memory`` bytes (blocks, tokens, sequences of ``seq_len``)."""
+    ``memory`` bytes (blocks, tokens, sequences of ``seq_len``); every layer attending in full
+    (``hybrid_report``: what the hybrid manager holds with sliding windows)."""
     blocks_per_seq = spec.blocks_for_tokens(seq_len)
     report: dict[str, int | float] = {
         "bytes_per_token": spec.bytes_per_token,

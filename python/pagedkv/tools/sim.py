@@ -13,7 +13,11 @@ Strategies share one KV budget of token slots:
 ``contiguous``    one block of ``max_len`` slots per request (contiguous max-length reservation,
                   what a server that does not know the output length must do), no sharing;
 ``paged``         blocks of ``block_size`` taken as tokens arrive;
-``paged+prefix``  the same with prefix caching: cached full prompt blocks are shared.
+``paged+prefix``  the same with prefix caching: cached full prompt blocks are shared;
+``paged+hybrid``  paged+prefix with the hybrid manager (a model with sliding-window layers):
+                  blocks are pages of a KV cache group's layers, so the same bytes hold
+                  ``Hybrid.pages_per_block`` times the blocks, and window groups free what
+                  falls behind the window. Not among the defaults of a model without windows.
 ================  ============================================================================
 
 Requests arrive as a seeded Poisson process at a rate (requests per second) or at the trace's
@@ -34,16 +38,35 @@ from typing import Any, Protocol
 import numpy as np
 
 from pagedkv import checks
+from pagedkv.blocks.manager import BlockManager
 from pagedkv.blocks.plan import PHASES
+from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.serving.engine import ServingLoop
 from pagedkv.serving.scheduler import EngineConfig, Request, SamplingParams, StepShape
 from pagedkv.tools import traces
 
-__all__ = ["STRATEGIES", "SimulatedServer", "SimulationError", "StrategyResult", "drive",
-           "poisson_arrivals", "run_strategy", "simulate", "strategy_config", "sustained_rate",
-           "sweep"]
+__all__ = ["ALL_STRATEGIES", "HYBRID", "STRATEGIES", "Hybrid", "SimulatedServer",
+           "SimulationError", "StrategyResult", "drive", "poisson_arrivals", "run_strategy",
+           "simulate", "strategy_config", "sustained_rate", "sweep"]
 
 STRATEGIES = ("contiguous", "paged", "paged+prefix")
+HYBRID = "paged+hybrid"
+ALL_STRATEGIES = (*STRATEGIES, HYBRID)
+
+
+@dataclass(frozen=True, slots=True)
+class Hybrid:
+    """What the ``paged+hybrid`` strategy needs of the model: its KV cache groups' windows
+    (``KVCacheSpec.group_windows``) and how many of its pages one block of every layer's
+    bytes holds (``num_layers / page_layers``)."""
+
+    groups: tuple[int | None, ...]
+    pages_per_block: float
+
+    @classmethod
+    def of(cls, spec: KVCacheSpec) -> Hybrid:
+        """The setup of a spec with sliding windows."""
+        return cls(spec.group_windows, spec.num_layers / spec.page_layers)
 
 
 class SimulationError(ValueError):
@@ -57,8 +80,14 @@ class StepCost(Protocol):
 class SimulatedServer(ServingLoop):
     """A ServingLoop whose steps are priced by ``cost`` and whose tokens come from the trace."""
 
-    def __init__(self, config: EngineConfig, cost: StepCost, max_len: int) -> None:
+    def __init__(self, config: EngineConfig, cost: StepCost, max_len: int,
+                 groups: tuple[int | None, ...] | None = None) -> None:
         super().__init__(config, max_positions=max_len)
+        if groups is not None:  # the hybrid manager in the scheduler's hands
+            self.manager = self.scheduler.manager = BlockManager(
+                config.num_blocks, config.block_size, num_cpu_blocks=config.num_cpu_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                reserve_null_block=config.reserve_null_block, groups=groups)
         self.cost = cost
         self.trace: dict[int, traces.Request] = {}
         self.preemption_seconds = 0.0
@@ -91,6 +120,12 @@ class SimulatedServer(ServingLoop):
         series["stored"].append(shape.kv_read)  # the batch's tokens
         series["running"].append(len(requests))
         return tokens, seconds
+
+    def _record(self, requests: list[Request]) -> None:
+        super()._record(requests)
+        groups = len(self.manager.group_windows)  # every group's last block holds the gap
+        self.stats.empty_slots += (groups - 1) * sum(-r.num_tokens % self.config.block_size
+                                                     for r in requests)
 
     def next_token(self, request: Request) -> int:
         """The token the request generates next: the trace's."""
@@ -148,19 +183,28 @@ def strategy_config(name: str, num_slots: int, block_size: int, max_len: int,
     """The engine configuration of a strategy over ``num_slots`` token slots."""
     if name == "contiguous":
         return EngineConfig.contiguous(max_len, num_slots, **scheduler)
-    if name in ("paged", "paged+prefix"):
+    if name in ALL_STRATEGIES:
         return EngineConfig(block_size=block_size, num_blocks=max(1, num_slots // block_size),
-                            enable_prefix_caching=name == "paged+prefix",
+                            enable_prefix_caching=name != "paged",
                             reserve_null_block=False, **scheduler)
-    raise ValueError(f"unknown strategy {name!r}; strategies: {', '.join(STRATEGIES)}")
+    raise ValueError(f"unknown strategy {name!r}; strategies: {', '.join(ALL_STRATEGIES)}")
 
 
 def run_strategy(name: str, requests: Sequence[traces.Request], arrivals: Sequence[float],
                  cost: StepCost, num_slots: int, block_size: int = 16, max_len: int = 2048,
-                 **scheduler: Any) -> StrategyResult:
-    """Serve ``requests`` arriving at ``arrivals`` under one strategy (see the module doc)."""
+                 hybrid: Hybrid | None = None, **scheduler: Any) -> StrategyResult:
+    """Serve ``requests`` arriving at ``arrivals`` under one strategy (see the module doc);
+    ``num_slots`` are token slots of blocks of every layer (``paged+hybrid``, which needs
+    ``hybrid``, turns them into its pages)."""
+    groups = None
+    if name == HYBRID:
+        if hybrid is None:
+            raise ValueError(f"{HYBRID} needs the model's KV cache groups (hybrid=Hybrid.of(spec))")
+        if scheduler.get("num_cpu_blocks"):
+            raise ValueError(f"{HYBRID} preempts by recompute: num_cpu_blocks must be 0")
+        groups, num_slots = hybrid.groups, int(num_slots * hybrid.pages_per_block)
     config = strategy_config(name, num_slots, block_size, max_len, **scheduler)
-    server = SimulatedServer(config, cost, max_len)
+    server = SimulatedServer(config, cost, max_len, groups)
     try:
         queued = drive(server, arrivals, lambda i, t: server.add_trace_request(requests[i], t))
     except RuntimeError as e:
@@ -227,20 +271,21 @@ def simulate(
     max_len: int = 2048,
     seed: int = 0,
     arrivals: Sequence[float] | None = None,
+    hybrid: Hybrid | None = None,
     **scheduler: Any,
 ) -> dict[str, StrategyResult]:
     """Every strategy on the trace at one arrival ``rate`` (requests/s, Poisson, seeded; inf:
     all at once) or at the given ``arrivals`` times; results by strategy name.
 
     ``scheduler``: EngineConfig's scheduler settings (max_num_seqs, max_num_batched_tokens,
-    num_cpu_blocks)."""
+    num_cpu_blocks); ``hybrid``: the model's groups, for ``paged+hybrid``."""
     _check_trace(requests, num_slots, max_len, strategies)
     if arrivals is None:
         arrivals = poisson_arrivals(len(requests), rate, seed)
     elif len(arrivals) != len(requests):
         raise ValueError(f"arrivals has {len(arrivals)} times for {len(requests)} requests")
     return {name: run_strategy(name, requests, arrivals, cost, num_slots, block_size, max_len,
-                               **scheduler)
+                               hybrid, **scheduler)
             for name in strategies}
 
 
