@@ -191,7 +191,10 @@ class PagedCache(Cache):
 
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * self.spec.num_layers  # every layer is full attention
+        """False for every layer, and so are ``is_sliding`` and ``is_dummy``: each layer holds
+        every token of its rows, a sliding-window layer too (the kernel masks the window), so
+        its mask sizes are those of ``get_mask_sizes``, the whole sequence."""
+        return [False] * self.spec.num_layers
 
     is_sliding = is_dummy = is_linear
 
@@ -301,7 +304,8 @@ class PagedCache(Cache):
         for seq_id in old:
             self.manager.free(seq_id)
 
-    def _attend(self, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def _attend(self, layer_idx: int, query: torch.Tensor, options: _LayerOptions,
+                ) -> torch.Tensor:
         step = self._current()
         batch = step.batch
         tokens = step.tokens(query)
@@ -310,7 +314,9 @@ class PagedCache(Cache):
         decode = batch.max_query_len == 1
         ops.paged_attention(out, tokens, key_cache, value_cache, batch.block_tables,
                             batch.seq_lens, None if decode else batch.query_start_loc,
-                            batch.max_seq_len, batch.max_query_len, scale)
+                            batch.max_seq_len, batch.max_query_len, options.scale,
+                            sliding_window=options.sliding_window, soft_cap=options.soft_cap,
+                            sinks=options.sinks)
         return step.scatter(out)
 
 
@@ -320,20 +326,57 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             ) -> tuple[torch.Tensor, None]:
     """The "pagedkv" attention: ``query [rows, heads, columns, head_size]`` over the paged cache
     (decode, or causal varlen prefill over cached blocks). Returns ``[rows, columns, heads,
-    head_size]`` and no weights. ``key``/``value`` are ignored: ``PagedCache.update`` wrote them."""
+    head_size]`` and no weights. ``key``/``value`` are ignored: ``PagedCache.update`` wrote them.
+
+    The layer's ``sliding_window``, ``softcap`` and ``s_aux`` (attention sinks), as transformers'
+    attention modules pass them (gpt-oss, Gemma 2/3, Mistral, Qwen2), go to the kernel: see
+    ``_LayerOptions``. A module with ``is_causal`` False (bidirectional) is refused."""
     cache = kwargs.get(_KWARG)
     if not isinstance(cache, PagedCache):
         raise ValueError('attn_implementation="pagedkv" reads a pagedkv.integrations.hf.PagedCache:'
                          " pass cache=PagedCache(model, num_blocks) to generate or forward")
-    _refuse_unsupported(kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return cache._attend(module.layer_idx, query, scale), None
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError('the "pagedkv" attention is causal; this layer is bidirectional')
+    options = _LayerOptions.of(query, scaling, kwargs)
+    return cache._attend(module.layer_idx, query, options), None
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerOptions:
+    """One layer's attention in the kernel's terms, from transformers' attention keywords.
+
+    ``sliding_window`` W: transformers lets a query at column q see keys k with ``k > q - W``
+    (``masking_utils.sliding_window_overlay``; ``DynamicSlidingWindowLayer`` keeps the last
+    W - 1 keys besides the query's own), W keys with its own; the kernel's window counts the
+    same way (``p - sliding_window < key_pos <= p``), so W passes unchanged. With left padding
+    the column distance of two real tokens is their position distance. ``softcap``: the kernel's
+    ``soft_cap``, applied after the scale as in Gemma 2's eager attention. ``s_aux``: the sinks,
+    ``[num_heads]`` logits of a zero-valued key (gpt-oss), in float32 for the kernel.
+    """
+
+    scale: float
+    sliding_window: int = -1
+    soft_cap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, query: torch.Tensor, scaling: float | None, kwargs: dict) -> _LayerOptions:
+        window, cap, sinks = (kwargs.get(k) for k in ("sliding_window", "softcap", "s_aux"))
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
+        if cap is not None and not cap > 0:
+            raise ValueError(f"softcap must be positive or None, got {cap!r}")
+        return cls(scaling if scaling is not None else query.shape[-1] ** -0.5,
+                   -1 if window is None else window, 0.0 if cap is None else float(cap),
+                   None if sinks is None else sinks.detach().to(torch.float32).contiguous())
 
 
 def _refuse_unsupported(kwargs: dict) -> None:
     for name in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f'the "pagedkv" attention does not take {name} yet')
+            raise NotImplementedError(f"pagedkv's continuous-batching attention does not take "
+                                      f"{name}; generate with PagedCache does")
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
