@@ -10,6 +10,8 @@ Each row of the batch is a sequence of a ``BlockManager``: blocks are taken as t
 prompts that share full blocks of a prefix share those blocks (prefix cache), and beam search
 reorders rows by forking block tables (copy-on-write of a shared last block) instead of copying
 caches. Padding columns (``attention_mask`` 0) are never written to the cache and never attended.
+Each layer's sliding window, logit soft cap and attention sinks (gpt-oss, Gemma 2/3, Mistral)
+go to the kernel; every layer keeps every token, the kernel masks the window.
 
 ``Cache.update`` receives only the K/V of one layer, so hooks on the model's forward read the
 token ids, padding mask and positions of each forward, plan the step (blocks, slot mapping, block
@@ -27,18 +29,17 @@ import itertools
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import transformers
 from transformers import AttentionInterface, Cache
 
 from pagedkv import ops
-from pagedkv.blocks.batch import BatchTensors
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.blocks.plan import PlanExecutor
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.cache.spec import KVCacheSpec
+from pagedkv.integrations.hf_step import LayerOptions, Step, query_index, real_tokens
 
 __all__ = ["ATTENTION", "CONTINUOUS_BATCHING_TRANSFORMERS", "SUPPORTED_TRANSFORMERS", "PagedCache",
            "continuous_batching_attention", "paged_attention_forward", "varlen_attention_forward"]
@@ -68,57 +69,6 @@ def check_transformers_version() -> None:
             f"{high_minor} (it relies on Cache.update, AttentionInterface and the cache= keyword "
             f"of generate as they are there); transformers {transformers.__version__} is "
             "installed. pip install 'pagedkv[hf]' installs the tested version.")
-
-
-def _real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 ) -> tuple[torch.Tensor, list[list[int]]]:
-    """Which columns of ``input_ids [rows, columns]`` are real (bool, CPU) and each row's real
-    token ids, from ``attention_mask [rows, past + columns]`` (None: all real)."""
-    rows, columns = input_ids.shape
-    real = torch.ones(rows, columns, dtype=torch.bool)
-    if attention_mask is not None:
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != rows:
-            raise ValueError(f"PagedCache takes a 2D attention_mask [{rows}, past + {columns}], "
-                             f"got shape {tuple(attention_mask.shape)}")
-        real = attention_mask[:, -columns:].bool().cpu()
-    ids = input_ids.cpu()
-    tokens = [ids[row][real[row]].tolist() for row in range(rows)]
-    if not all(tokens):
-        empty = next(row for row, t in enumerate(tokens) if not t)
-        raise ValueError(f"attention_mask gives row {empty} no token in this forward")
-    return real, tokens
-
-
-def _query_index(real: torch.Tensor, cached: list[int], device: torch.device,
-                 ) -> torch.Tensor | None:
-    """The flat positions (rows x columns) of the tokens to compute: real and not found in the
-    prefix cache (a row's first ``cached[row]`` real tokens). None when that is all of them."""
-    computed = real.clone()
-    for row, num_cached in enumerate(cached):
-        computed[row, real[row].nonzero()[:num_cached, 0]] = False
-    return None if computed.all() else computed.flatten().nonzero()[:, 0].to(device)
-
-
-@dataclass(slots=True)
-class _Step:
-    """One forward's batch: the query tokens of every row, as the paged ops take them."""
-
-    batch: BatchTensors
-    shape: tuple[int, int]  # (rows, columns) of the forward's input
-    index: torch.Tensor | None  # [num_query_tokens] into the flat rows x columns; None: all
-
-    def tokens(self, states: torch.Tensor) -> torch.Tensor:
-        """``[rows, heads, columns, head_size]`` -> ``[num_query_tokens, heads, head_size]``."""
-        flat = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[-1])
-        return flat if self.index is None else flat[self.index]
-
-    def scatter(self, out: torch.Tensor) -> torch.Tensor:
-        """``[num_query_tokens, heads, head_size]`` -> ``[rows, columns, heads, head_size]``;
-        padding and prefix-cache hits (not computed) get zeros."""
-        if self.index is not None:
-            full = out.new_zeros(self.shape[0] * self.shape[1], *out.shape[1:])
-            out = full.index_copy_(0, self.index, out)
-        return out.view(*self.shape, *out.shape[1:])
 
 
 class PagedCache(Cache):
@@ -156,7 +106,7 @@ class PagedCache(Cache):
         self._rows: list[int] = []  # the manager's sequence id of each batch row
         self._ids = itertools.count()
         self._columns = 0  # what transformers calls the sequence length: padding included
-        self._step: _Step | None = None  # the forward running now
+        self._step: Step | None = None  # the forward running now
         self._unfinished = False  # a forward began and has not ended (or raised)
         _hook(model)
 
@@ -243,7 +193,7 @@ class PagedCache(Cache):
         if self._unfinished:
             raise RuntimeError("a forward with this PagedCache did not finish (it raised); its "
                                "sequences are incomplete: reset() the cache")
-        real, tokens = _real_tokens(input_ids, attention_mask)
+        real, tokens = real_tokens(input_ids, attention_mask)
         if self._rows and len(tokens) != len(self._rows):
             raise ValueError(f"the cache holds {len(self._rows)} rows, the input has "
                              f"{len(tokens)}; reset() it before a new batch")
@@ -255,7 +205,7 @@ class PagedCache(Cache):
         self._executor.run(self.manager)  # copy-on-write of shared last blocks; NaN fills
         query_lens = [len(t) - c for t, c in zip(tokens, cached, strict=True)]
         batch = self.manager.build_batch(self._rows, query_lens, device=self.kv.device)
-        self._step = _Step(batch, tuple(real.shape), _query_index(real, cached, self.kv.device))
+        self._step = Step(batch, tuple(real.shape), query_index(real, cached, self.kv.device))
 
     def _prefix_keys(self, position_ids: torch.Tensor | None, real: torch.Tensor) -> list:
         """The prefix-cache key of each new row: the position of its first token when its
@@ -288,7 +238,7 @@ class PagedCache(Cache):
         self._columns += self._current().shape[1]
         self._step, self._unfinished = None, False
 
-    def _current(self) -> _Step:
+    def _current(self) -> Step:
         if self._step is None:
             raise RuntimeError("PagedCache plans each forward in a hook on the model it was made "
                                "for: call that model (not a submodule) with cache=this cache")
@@ -304,7 +254,7 @@ class PagedCache(Cache):
         for seq_id in old:
             self.manager.free(seq_id)
 
-    def _attend(self, layer_idx: int, query: torch.Tensor, options: _LayerOptions,
+    def _attend(self, layer_idx: int, query: torch.Tensor, options: LayerOptions,
                 ) -> torch.Tensor:
         step = self._current()
         batch = step.batch
@@ -330,46 +280,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
     The layer's ``sliding_window``, ``softcap`` and ``s_aux`` (attention sinks), as transformers'
     attention modules pass them (gpt-oss, Gemma 2/3, Mistral, Qwen2), go to the kernel: see
-    ``_LayerOptions``. A module with ``is_causal`` False (bidirectional) is refused."""
+    ``hf_step.LayerOptions``. A module with ``is_causal`` False (bidirectional) is refused."""
     cache = kwargs.get(_KWARG)
     if not isinstance(cache, PagedCache):
         raise ValueError('attn_implementation="pagedkv" reads a pagedkv.integrations.hf.PagedCache:'
                          " pass cache=PagedCache(model, num_blocks) to generate or forward")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError('the "pagedkv" attention is causal; this layer is bidirectional')
-    options = _LayerOptions.of(query, scaling, kwargs)
+    options = LayerOptions.of(query, scaling, kwargs)
     return cache._attend(module.layer_idx, query, options), None
-
-
-@dataclass(frozen=True, slots=True)
-class _LayerOptions:
-    """One layer's attention in the kernel's terms, from transformers' attention keywords.
-
-    ``sliding_window`` W: transformers lets a query at column q see keys k with ``k > q - W``
-    (``masking_utils.sliding_window_overlay``; ``DynamicSlidingWindowLayer`` keeps the last
-    W - 1 keys besides the query's own), W keys with its own; the kernel's window counts the
-    same way (``p - sliding_window < key_pos <= p``), so W passes unchanged. With left padding
-    the column distance of two real tokens is their position distance. ``softcap``: the kernel's
-    ``soft_cap``, applied after the scale as in Gemma 2's eager attention. ``s_aux``: the sinks,
-    ``[num_heads]`` logits of a zero-valued key (gpt-oss), in float32 for the kernel.
-    """
-
-    scale: float
-    sliding_window: int = -1
-    soft_cap: float = 0.0
-    sinks: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, query: torch.Tensor, scaling: float | None, kwargs: dict) -> _LayerOptions:
-        window, cap, sinks = (kwargs.get(k) for k in ("sliding_window", "softcap", "s_aux"))
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                   or window < 1):
-            raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
-        if cap is not None and not cap > 0:
-            raise ValueError(f"softcap must be positive or None, got {cap!r}")
-        return cls(scaling if scaling is not None else query.shape[-1] ** -0.5,
-                   -1 if window is None else window, 0.0 if cap is None else float(cap),
-                   None if sinks is None else sinks.detach().to(torch.float32).contiguous())
 
 
 def _refuse_unsupported(kwargs: dict) -> None:
