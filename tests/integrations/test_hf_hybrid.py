@@ -16,9 +16,9 @@ import torch
 from helpers import one_thread  # noqa: F401  (autouse)
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("pagedkv.integrations.hf")
+hf = pytest.importorskip("pagedkv.integrations.hf")
 
-from test_hf import PAD, PROMPTS, SHARED, generate, left_padded, paged  # noqa: E402
+from test_hf import PAD, PROMPTS, SHARED, generate, generate_batch, left_padded, paged  # noqa: E402
 
 WINDOW = 8  # tokens: the longest prompt (25) plus 16 new tokens spans five windows
 HYBRID_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -148,6 +148,26 @@ def test_hybrid_models_logits_match_transformers(family):
         changed = generate_logits(model, inputs, "pagedkv", paged(model))
         print(f"{what}: {(changed[0] - expected[0]).abs().max().item():.2e}")
         assert (changed[0] - expected[0]).abs().max() > 0.1, what
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_models_continuous_batching(family, monkeypatch):
+    """generate_batch with pagedkv's attention (chunked prefills of 32 tokens, mixed with
+    decodes; transformers gathers a window layer's last 7 cached tokens and the new ones) gives
+    each prompt's tokens of ``generate`` alone, and the kernel received each layer's window,
+    sinks and cap."""
+    make, reference = HYBRID[family]
+    model = make(seed=30)
+    expected = [generate(model, left_padded([p]), reference, **NEW)[0].tolist()
+                for p in HYBRID_PROMPTS]
+    seen = set()
+    kernel = hf.ops.paged_attention
+    monkeypatch.setattr(hf.ops, "paged_attention", lambda *a, **kw: (seen.add(
+        (kw["sliding_window"], kw["soft_cap"], kw["sinks"] is not None)), kernel(*a, **kw)))
+    with hf.continuous_batching_attention(model):
+        assert generate_batch(model, HYBRID_PROMPTS, new=NEW["max_new_tokens"]) == expected
+    cap, sinks = (2.0 if family == "gemma2" else 0.0), family == "gpt-oss"
+    assert seen == {(WINDOW, cap, sinks), (-1, cap, sinks)}
 
 
 def test_bidirectional_layers_are_refused():

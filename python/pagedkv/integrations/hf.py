@@ -285,17 +285,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if not isinstance(cache, PagedCache):
         raise ValueError('attn_implementation="pagedkv" reads a pagedkv.integrations.hf.PagedCache:'
                          " pass cache=PagedCache(model, num_blocks) to generate or forward")
+    _refuse_bidirectional(module)
+    return cache._attend(module.layer_idx, query, LayerOptions.of(query, scaling, kwargs)), None
+
+
+def _refuse_bidirectional(module: torch.nn.Module) -> None:
     if not getattr(module, "is_causal", True):
-        raise NotImplementedError('the "pagedkv" attention is causal; this layer is bidirectional')
-    options = LayerOptions.of(query, scaling, kwargs)
-    return cache._attend(module.layer_idx, query, options), None
-
-
-def _refuse_unsupported(kwargs: dict) -> None:
-    for name in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"pagedkv's continuous-batching attention does not take "
-                                      f"{name}; generate with PagedCache does")
+        raise NotImplementedError("pagedkv's attention is causal; this layer is bidirectional")
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -307,17 +303,21 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     ``pagedkv.ops.paged_attention``: packed ``query [1, heads, q_tokens, head_size]`` over the
     K/V ``[1, kv_heads, kv_tokens, head_size]`` that its cache gathered, read as a paged cache of
     one-token blocks (sequence i's block table counts up from ``cu_seq_lens_k[i]``); causal
-    within each sequence, so the dense mask transformers built is not read."""
-    _refuse_unsupported(kwargs)
+    within each sequence, so the dense mask transformers built is not read. Windows, soft caps
+    and sinks as in ``paged_attention_forward``: a window layer's gathered K/V are its last
+    ``window - 1`` cached tokens and the new ones, in order, which the kernel masks the same."""
+    _refuse_bidirectional(module)
+    options = LayerOptions.of(query, scaling, kwargs)
     keys, values = (x[0].transpose(0, 1).unsqueeze(2) for x in (key, value))
     tokens = query[0].transpose(0, 1)  # [q_tokens, heads, head_size]
     starts = cu_seq_lens_k[:-1].to(torch.int32)
     tables = starts[:, None] + torch.arange(max(max_length_k, 1), dtype=torch.int32,
                                             device=starts.device)
     out = torch.zeros_like(tokens, memory_format=torch.contiguous_format)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     ops.paged_attention(out, tokens, keys, values, tables, cu_seq_lens_k.diff().to(torch.int32),
-                        cu_seq_lens_q.to(torch.int32), max_length_k, max_length_q, scale)
+                        cu_seq_lens_q.to(torch.int32), max_length_k, max_length_q, options.scale,
+                        sliding_window=options.sliding_window, soft_cap=options.soft_cap,
+                        sinks=options.sinks)
     return out.unsqueeze(0), None
 
 
