@@ -298,7 +298,8 @@ def test_continuous_batching_runs_the_paged_kernel(monkeypatch):
                                    min_new_tokens=12)[0].tolist()
     calls = []
     kernel = hf.ops.paged_attention
-    monkeypatch.setattr(hf.ops, "paged_attention", lambda *a: (calls.append(a[9]), kernel(*a)))
+    monkeypatch.setattr(hf.ops, "paged_attention",
+                        lambda *a, **kw: (calls.append(a[9]), kernel(*a, **kw)))
     with hf.continuous_batching_attention(model):
         assert model.config._attn_implementation == "paged|eager"
         assert transformers.AttentionInterface()["paged|eager"] is hf.varlen_attention_forward

@@ -10,6 +10,8 @@ Each row of the batch is a sequence of a ``BlockManager``: blocks are taken as t
 prompts that share full blocks of a prefix share those blocks (prefix cache), and beam search
 reorders rows by forking block tables (copy-on-write of a shared last block) instead of copying
 caches. Padding columns (``attention_mask`` 0) are never written to the cache and never attended.
+Each layer's sliding window, logit soft cap and attention sinks (gpt-oss, Gemma 2/3, Mistral)
+go to the kernel; every layer keeps every token, the kernel masks the window.
 
 ``Cache.update`` receives only the K/V of one layer, so hooks on the model's forward read the
 token ids, padding mask and positions of each forward, plan the step (blocks, slot mapping, block
@@ -27,18 +29,17 @@ import itertools
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import transformers
 from transformers import AttentionInterface, Cache
 
 from pagedkv import ops
-from pagedkv.blocks.batch import BatchTensors
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.blocks.plan import PlanExecutor
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.cache.spec import KVCacheSpec
+from pagedkv.integrations.hf_step import LayerOptions, Step, query_index, real_tokens
 
 __all__ = ["ATTENTION", "CONTINUOUS_BATCHING_TRANSFORMERS", "SUPPORTED_TRANSFORMERS", "PagedCache",
            "continuous_batching_attention", "paged_attention_forward", "varlen_attention_forward"]
@@ -68,57 +69,6 @@ def check_transformers_version() -> None:
             f"{high_minor} (it relies on Cache.update, AttentionInterface and the cache= keyword "
             f"of generate as they are there); transformers {transformers.__version__} is "
             "installed. pip install 'pagedkv[hf]' installs the tested version.")
-
-
-def _real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 ) -> tuple[torch.Tensor, list[list[int]]]:
-    """Which columns of ``input_ids [rows, columns]`` are real (bool, CPU) and each row's real
-    token ids, from ``attention_mask [rows, past + columns]`` (None: all real)."""
-    rows, columns = input_ids.shape
-    real = torch.ones(rows, columns, dtype=torch.bool)
-    if attention_mask is not None:
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != rows:
-            raise ValueError(f"PagedCache takes a 2D attention_mask [{rows}, past + {columns}], "
-                             f"got shape {tuple(attention_mask.shape)}")
-        real = attention_mask[:, -columns:].bool().cpu()
-    ids = input_ids.cpu()
-    tokens = [ids[row][real[row]].tolist() for row in range(rows)]
-    if not all(tokens):
-        empty = next(row for row, t in enumerate(tokens) if not t)
-        raise ValueError(f"attention_mask gives row {empty} no token in this forward")
-    return real, tokens
-
-
-def _query_index(real: torch.Tensor, cached: list[int], device: torch.device,
-                 ) -> torch.Tensor | None:
-    """The flat positions (rows x columns) of the tokens to compute: real and not found in the
-    prefix cache (a row's first ``cached[row]`` real tokens). None when that is all of them."""
-    computed = real.clone()
-    for row, num_cached in enumerate(cached):
-        computed[row, real[row].nonzero()[:num_cached, 0]] = False
-    return None if computed.all() else computed.flatten().nonzero()[:, 0].to(device)
-
-
-@dataclass(slots=True)
-class _Step:
-    """One forward's batch: the query tokens of every row, as the paged ops take them."""
-
-    batch: BatchTensors
-    shape: tuple[int, int]  # (rows, columns) of the forward's input
-    index: torch.Tensor | None  # [num_query_tokens] into the flat rows x columns; None: all
-
-    def tokens(self, states: torch.Tensor) -> torch.Tensor:
-        """``[rows, heads, columns, head_size]`` -> ``[num_query_tokens, heads, head_size]``."""
-        flat = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[-1])
-        return flat if self.index is None else flat[self.index]
-
-    def scatter(self, out: torch.Tensor) -> torch.Tensor:
-        """``[num_query_tokens, heads, head_size]`` -> ``[rows, columns, heads, head_size]``;
-        padding and prefix-cache hits (not computed) get zeros."""
-        if self.index is not None:
-            full = out.new_zeros(self.shape[0] * self.shape[1], *out.shape[1:])
-            out = full.index_copy_(0, self.index, out)
-        return out.view(*self.shape, *out.shape[1:])
 
 
 class PagedCache(Cache):
@@ -156,7 +106,7 @@ class PagedCache(Cache):
         self._rows: list[int] = []  # the manager's sequence id of each batch row
         self._ids = itertools.count()
         self._columns = 0  # what transformers calls the sequence length: padding included
-        self._step: _Step | None = None  # the forward running now
+        self._step: Step | None = None  # the forward running now
         self._unfinished = False  # a forward began and has not ended (or raised)
         _hook(model)
 
@@ -191,7 +141,10 @@ class PagedCache(Cache):
 
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * self.spec.num_layers  # every layer is full attention
+        """False for every layer, and so are ``is_sliding`` and ``is_dummy``: each layer holds
+        every token of its rows, a sliding-window layer too (the kernel masks the window), so
+        its mask sizes are those of ``get_mask_sizes``, the whole sequence."""
+        return [False] * self.spec.num_layers
 
     is_sliding = is_dummy = is_linear
 
@@ -240,7 +193,7 @@ class PagedCache(Cache):
         if self._unfinished:
             raise RuntimeError("a forward with this PagedCache did not finish (it raised); its "
                                "sequences are incomplete: reset() the cache")
-        real, tokens = _real_tokens(input_ids, attention_mask)
+        real, tokens = real_tokens(input_ids, attention_mask)
         if self._rows and len(tokens) != len(self._rows):
             raise ValueError(f"the cache holds {len(self._rows)} rows, the input has "
                              f"{len(tokens)}; reset() it before a new batch")
@@ -252,7 +205,7 @@ class PagedCache(Cache):
         self._executor.run(self.manager)  # copy-on-write of shared last blocks; NaN fills
         query_lens = [len(t) - c for t, c in zip(tokens, cached, strict=True)]
         batch = self.manager.build_batch(self._rows, query_lens, device=self.kv.device)
-        self._step = _Step(batch, tuple(real.shape), _query_index(real, cached, self.kv.device))
+        self._step = Step(batch, tuple(real.shape), query_index(real, cached, self.kv.device))
 
     def _prefix_keys(self, position_ids: torch.Tensor | None, real: torch.Tensor) -> list:
         """The prefix-cache key of each new row: the position of its first token when its
@@ -285,7 +238,7 @@ class PagedCache(Cache):
         self._columns += self._current().shape[1]
         self._step, self._unfinished = None, False
 
-    def _current(self) -> _Step:
+    def _current(self) -> Step:
         if self._step is None:
             raise RuntimeError("PagedCache plans each forward in a hook on the model it was made "
                                "for: call that model (not a submodule) with cache=this cache")
@@ -301,7 +254,8 @@ class PagedCache(Cache):
         for seq_id in old:
             self.manager.free(seq_id)
 
-    def _attend(self, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def _attend(self, layer_idx: int, query: torch.Tensor, options: LayerOptions,
+                ) -> torch.Tensor:
         step = self._current()
         batch = step.batch
         tokens = step.tokens(query)
@@ -310,7 +264,9 @@ class PagedCache(Cache):
         decode = batch.max_query_len == 1
         ops.paged_attention(out, tokens, key_cache, value_cache, batch.block_tables,
                             batch.seq_lens, None if decode else batch.query_start_loc,
-                            batch.max_seq_len, batch.max_query_len, scale)
+                            batch.max_seq_len, batch.max_query_len, options.scale,
+                            sliding_window=options.sliding_window, soft_cap=options.soft_cap,
+                            sinks=options.sinks)
         return step.scatter(out)
 
 
@@ -320,20 +276,22 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             ) -> tuple[torch.Tensor, None]:
     """The "pagedkv" attention: ``query [rows, heads, columns, head_size]`` over the paged cache
     (decode, or causal varlen prefill over cached blocks). Returns ``[rows, columns, heads,
-    head_size]`` and no weights. ``key``/``value`` are ignored: ``PagedCache.update`` wrote them."""
+    head_size]`` and no weights. ``key``/``value`` are ignored: ``PagedCache.update`` wrote them.
+
+    The layer's ``sliding_window``, ``softcap`` and ``s_aux`` (attention sinks), as transformers'
+    attention modules pass them (gpt-oss, Gemma 2/3, Mistral, Qwen2), go to the kernel: see
+    ``hf_step.LayerOptions``. A module with ``is_causal`` False (bidirectional) is refused."""
     cache = kwargs.get(_KWARG)
     if not isinstance(cache, PagedCache):
         raise ValueError('attn_implementation="pagedkv" reads a pagedkv.integrations.hf.PagedCache:'
                          " pass cache=PagedCache(model, num_blocks) to generate or forward")
-    _refuse_unsupported(kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return cache._attend(module.layer_idx, query, scale), None
+    _refuse_bidirectional(module)
+    return cache._attend(module.layer_idx, query, LayerOptions.of(query, scaling, kwargs)), None
 
 
-def _refuse_unsupported(kwargs: dict) -> None:
-    for name in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f'the "pagedkv" attention does not take {name} yet')
+def _refuse_bidirectional(module: torch.nn.Module) -> None:
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError("pagedkv's attention is causal; this layer is bidirectional")
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -345,17 +303,21 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     ``pagedkv.ops.paged_attention``: packed ``query [1, heads, q_tokens, head_size]`` over the
     K/V ``[1, kv_heads, kv_tokens, head_size]`` that its cache gathered, read as a paged cache of
     one-token blocks (sequence i's block table counts up from ``cu_seq_lens_k[i]``); causal
-    within each sequence, so the dense mask transformers built is not read."""
-    _refuse_unsupported(kwargs)
+    within each sequence, so the dense mask transformers built is not read. Windows, soft caps
+    and sinks as in ``paged_attention_forward``: a window layer's gathered K/V are its last
+    ``window - 1`` cached tokens and the new ones, in order, which the kernel masks the same."""
+    _refuse_bidirectional(module)
+    options = LayerOptions.of(query, scaling, kwargs)
     keys, values = (x[0].transpose(0, 1).unsqueeze(2) for x in (key, value))
     tokens = query[0].transpose(0, 1)  # [q_tokens, heads, head_size]
     starts = cu_seq_lens_k[:-1].to(torch.int32)
     tables = starts[:, None] + torch.arange(max(max_length_k, 1), dtype=torch.int32,
                                             device=starts.device)
     out = torch.zeros_like(tokens, memory_format=torch.contiguous_format)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     ops.paged_attention(out, tokens, keys, values, tables, cu_seq_lens_k.diff().to(torch.int32),
-                        cu_seq_lens_q.to(torch.int32), max_length_k, max_length_q, scale)
+                        cu_seq_lens_q.to(torch.int32), max_length_k, max_length_q, options.scale,
+                        sliding_window=options.sliding_window, soft_cap=options.soft_cap,
+                        sinks=options.sinks)
     return out.unsqueeze(0), None
 
 
