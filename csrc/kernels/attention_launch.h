@@ -35,10 +35,13 @@ constexpr int kAttnPartStep = 64;
 // is that times the SM count.
 constexpr int kAttnResidentBlocks = 3;
 
+// The largest head size of the CUDA kernels (the CPU kernels take kMaxAttentionHeadSize).
+constexpr int kMaxCudaAttentionHeadSize = 256;
+
 // The kernel instantiation that runs a head size: 64, 128 or 256 dims (a multiple of 8 up to
 // that; the lanes of the missing dims idle), or 0 when none does.
 inline int attention_padded_head(int head_size) {
-  if (head_size <= 0 || head_size % 8 != 0 || head_size > 256) return 0;
+  if (head_size <= 0 || head_size % 8 != 0 || head_size > kMaxCudaAttentionHeadSize) return 0;
   return head_size <= 64 ? 64 : (head_size <= 128 ? 128 : 256);
 }
 
