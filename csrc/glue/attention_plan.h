@@ -19,8 +19,7 @@ constexpr int64_t kMaxGridYZ = 65535;
 inline void check_attention_kernel_exists(const PagedAttentionParams& p, const char* backend) {
   TORCH_CHECK(attention_padded_head(p.head_size) != 0, "paged_attention (", backend,
               "): no kernel for head_size ", p.head_size,
-              "; the kernels take multiples of 8 up to ", kMaxCudaAttentionHeadSize,
-              " (the CPU kernels up to ", kMaxAttentionHeadSize, ")");
+              "; the kernels take multiples of 8 up to ", kMaxCudaAttentionHeadSize);
   TORCH_CHECK(p.num_seqs <= kMaxGridYZ, "paged_attention (", backend, "): num_seqs ", p.num_seqs,
               " exceeds ", kMaxGridYZ, ", the kernel's grid limit; split the batch");
   TORCH_CHECK(p.num_kv_heads <= kMaxGridYZ, "paged_attention (", backend, "): num_kv_heads ",

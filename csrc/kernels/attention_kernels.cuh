@@ -32,24 +32,31 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = kAttnRowsPerBlock;  // (query token, query head) rows per block
 
-// How a warp covers token rows of up to HEAD dims (HEAD = 64, 128 or 256: every head size is
-// run by the smallest of these that holds it): kLanes lanes per token, one 8-element chunk each
-// (lanes past head_size / 8 idle), kGroups tokens side by side per load.
+// How a warp covers token rows of up to HEAD dims (HEAD = 64, 128, 256 or 512: every head size
+// is run by the smallest of these that holds it): kLanes lanes per token, kChunks 8-element
+// chunks each, side by side (chunks past head_size / 8 idle), kGroups tokens side by side per
+// load. Up to 256 a lane has one chunk; at 512 the warp is one token, two chunks a lane.
 template <int HEAD>
 struct Layout {
-  static constexpr int kLanes = HEAD / kChunkElems <= 8 ? 8 : HEAD / kChunkElems;
+  static constexpr int kLanes = HEAD / kChunkElems <= 8 ? 8 : std::min(HEAD / kChunkElems, 32);
+  static constexpr int kChunks = HEAD / kChunkElems / kLanes < 1 ? 1 : HEAD / kChunkElems / kLanes;
+  static constexpr int kLaneElems = kChunks * kChunkElems;  // head dims of one lane
   static constexpr int kGroups = 32 / kLanes;
-  static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "padded head size");
+  static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256 || HEAD == 512, "padded head size");
 };
 
 // Tokens each lane group loads per iteration: 4 (8 loads of K+V in flight per lane, 16 bytes
 // each), 8 for fp8 (16 loads of 8 bytes: the per-iteration work spread over as many bytes), 2 for
-// fp32; and the resident blocks per SM the register budget is cut for: 3 (168 registers), which
-// keeps each K/V chunk converted once (at 128 the compiler converts V again for every row) and
-// still holds ~48 KB of loads in flight per SM.
-template <typename C>
+// fp32, divided by the lane's chunks (so the loads in flight stay the same; fp8 at 512 by twice
+// that, or ptxas spills its conversions); and the resident
+// blocks per SM the register budget is cut for: 3 (168 registers), which keeps each K/V chunk
+// converted once (at 128 the compiler converts V again for every row) and still holds ~48 KB of
+// loads in flight per SM.
+template <typename C, int HEAD>
 struct TokensPerGroup {
-  static constexpr int value = sizeof(C) == 4 ? 2 : (sizeof(C) == 1 ? 8 : 4);
+  static constexpr int value = std::max(
+      1, (sizeof(C) == 4 ? 2 : (sizeof(C) == 1 ? 8 : 4)) / Layout<HEAD>::kChunks /
+             (sizeof(C) == 1 && Layout<HEAD>::kChunks > 1 ? 2 : 1));  // fp8 at 512: 2, no spill
   static constexpr int kMinBlocksPerSm = 3;
 };
 
@@ -78,10 +85,11 @@ struct DecodeSmem {
 // grid: (row_tiles * num_parts, num_seqs, num_kv_heads), block: kThreads,
 // dynamic smem: DecodeSmem<HEAD>::kBytes. p.head_size <= HEAD.
 template <typename T, typename C, int HEAD>
-__global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksPerSm)
     paged_attention_kernel(const PagedAttentionParams p, const AttentionPlan plan) {
   using L = Layout<HEAD>;
-  constexpr int U = TokensPerGroup<C>::value;
+  constexpr int U = TokensPerGroup<C, HEAD>::value;
+  constexpr int NC = L::kChunks, LE = L::kLaneElems;
   PAGEDKV_DYNAMIC_SMEM(float, smem);
   float* q_smem = smem;                               // [kRows][HEAD], reused below
   float* acc_smem = smem;                             // [kWarps][kRows][HEAD]
@@ -127,8 +135,12 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
   const int warp = tid / 32, lane = tid % 32;
   const int group = lane / L::kLanes;
   const int chunk = lane % L::kLanes;
-  const bool lane_active = chunk < head_size / kChunkElems;
-  const int dim0 = lane_active ? chunk * kChunkElems : 0;
+  // Chunk c of the lane holds dims dim0 + 8c ..; it is read when within head_size.
+  const bool lane_active = chunk * NC < head_size / kChunkElems;
+  const int dim0 = lane_active ? chunk * LE : 0;
+  bool chunk_active[NC];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) chunk_active[c] = dim0 + c * kChunkElems < head_size && lane_active;
 
   const bool alibi = p.alibi_slopes != nullptr;
   const int window = p.sliding_window;
@@ -137,13 +149,13 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
   const float soft_cap = p.soft_cap * kLog2e;
   const float inv_soft_cap = soft_cap > 0.f ? 1.f / soft_cap : 0.f;
 
-  float m[kRows], l[kRows], acc[kRows][kChunkElems];
+  float m[kRows], l[kRows], acc[kRows][LE];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.f;
 #pragma unroll
-    for (int d = 0; d < kChunkElems; ++d) acc[r][d] = 0.f;
+    for (int d = 0; d < LE; ++d) acc[r][d] = 0.f;
   }
 
   // The caches seen from this kv head and this lane's chunk: rows are then one offset away,
@@ -172,21 +184,29 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
   // the causal / window / partition masks); otherwise every token of the iteration is valid for
   // every row and no feature is on, and none of that code runs.
   auto iteration = [&]<bool kMasked>(int base) {
-    Chunk<C> kc[U], vc[U];
+    Chunk<C> kc[U][NC], vc[U][NC];
     // Aligned caches take the vector loads, others the byte loads; K and V share the offset when
     // their strides agree: one uniform branch per iteration. Offsets in bytes, unsigned (phys >= 0):
     // one 32 x 32 -> 64-bit multiply-add per row.
     auto load_all = [&]<bool kVec, bool kSame>() {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        kc[u] = zero_chunk<C>();
-        vc[u] = zero_chunk<C>();
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          kc[u][c] = zero_chunk<C>();
+          vc[u][c] = zero_chunk<C>();
+        }
         if (phys[u] >= 0) {
           const uint32_t blk = static_cast<uint32_t>(phys[u]), off = static_cast<uint32_t>(slot[u]);
           const uint64_t k_off = kv.k_offset(blk, off);
           const uint64_t v_off = kSame ? k_off : kv.v_offset(blk, off);
-          kc[u] = load_chunk<kVec>(kv.k_row(k_off));
-          vc[u] = load_chunk<kVec>(kv.v_row(v_off));
+#pragma unroll
+          for (int c = 0; c < NC; ++c) {
+            if (c == 0 || chunk_active[c]) {
+              kc[u][c] = load_chunk<kVec>(kv.k_row(k_off) + c * kChunkElems);
+              vc[u][c] = load_chunk<kVec>(kv.v_row(v_off) + c * kChunkElems);
+            }
+          }
         }
       }
     };
@@ -204,22 +224,26 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     float s[U][kRows];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float kf[kChunkElems];
-      to_floats(kc[u], kf);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (r == 0 || r < rows) {  // row 0 always exists: kf is converted there, once
-          const float4 qa = *reinterpret_cast<const float4*>(q_smem + r * HEAD + dim0);
-          const float4 qb = *reinterpret_cast<const float4*>(q_smem + r * HEAD + dim0 + 4);
-          float dot = qa.x * kf[0];
-          dot = fmaf(qa.y, kf[1], dot);
-          dot = fmaf(qa.z, kf[2], dot);
-          dot = fmaf(qa.w, kf[3], dot);
-          dot = fmaf(qb.x, kf[4], dot);
-          dot = fmaf(qb.y, kf[5], dot);
-          dot = fmaf(qb.z, kf[6], dot);
-          dot = fmaf(qb.w, kf[7], dot);
-          s[u][r] = dot;
+      for (int c = 0; c < NC; ++c) {
+        float kf[kChunkElems];
+        to_floats(kc[u][c], kf);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if (r == 0 || r < rows) {  // row 0 always exists: kf is converted there, once
+            const float* q = q_smem + r * HEAD + dim0 + c * kChunkElems;
+            const float4 qa = *reinterpret_cast<const float4*>(q);
+            const float4 qb = *reinterpret_cast<const float4*>(q + 4);
+            float dot = c == 0 ? qa.x * kf[0] : fmaf(qa.x, kf[0], s[u][r]);
+            dot = fmaf(qa.y, kf[1], dot);
+            dot = fmaf(qa.z, kf[2], dot);
+            dot = fmaf(qa.w, kf[3], dot);
+            dot = fmaf(qb.x, kf[4], dot);
+            dot = fmaf(qb.y, kf[5], dot);
+            dot = fmaf(qb.z, kf[6], dot);
+            dot = fmaf(qb.w, kf[7], dot);
+            s[u][r] = dot;
+          }
         }
       }
     }
@@ -259,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
         m[r] = m_new;
         l[r] *= alpha;
 #pragma unroll
-        for (int d = 0; d < kChunkElems; ++d) acc[r][d] *= alpha;
+        for (int d = 0; d < LE; ++d) acc[r][d] *= alpha;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           s[u][r] = fast_exp2(s[u][r] - base_m);
@@ -270,13 +294,18 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
     // O += P V: each V chunk converted once, for every row.
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float vf[kChunkElems];
-      to_floats(vc[u], vf);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (r == 0 || r < rows) {
+      for (int c = 0; c < NC; ++c) {
+        float vf[kChunkElems];
+        to_floats(vc[u][c], vf);
 #pragma unroll
-          for (int d = 0; d < kChunkElems; ++d) acc[r][d] = fmaf(s[u][r], vf[d], acc[r][d]);
+        for (int r = 0; r < kRows; ++r) {
+          if (r == 0 || r < rows) {
+#pragma unroll
+            for (int d = 0; d < kChunkElems; ++d) {
+              acc[r][c * kChunkElems + d] = fmaf(s[u][r], vf[d], acc[r][c * kChunkElems + d]);
+            }
+          }
         }
       }
     }
@@ -304,7 +333,7 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
         float a, b;
         merge_scales(m[r], l[r], m_o, l_o, a, b);
 #pragma unroll
-        for (int d = 0; d < kChunkElems; ++d) {
+        for (int d = 0; d < LE; ++d) {
           const float acc_o = __shfl_xor_sync(kFullMask, acc[r][d], o);
           acc[r][d] = acc[r][d] * a + acc_o * b;
         }
@@ -316,8 +345,10 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C>::kMinBlocksPerSm)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-      for (int d = 0; d < kChunkElems; ++d)
-        acc_smem[(warp * kRows + r) * HEAD + dim0 + d] = r < rows ? acc[r][d] : 0.f;
+      for (int d = 0; d < LE; ++d) {
+        if (d < kChunkElems || chunk_active[d / kChunkElems])
+          acc_smem[(warp * kRows + r) * HEAD + dim0 + d] = r < rows ? acc[r][d] : 0.f;
+      }
     }
   }
   if (lane == 0) {

@@ -35,24 +35,29 @@ constexpr int kAttnPartStep = 64;
 // is that times the SM count.
 constexpr int kAttnResidentBlocks = 3;
 
-// The largest head size of the CUDA kernels (the CPU kernels take kMaxAttentionHeadSize).
-constexpr int kMaxCudaAttentionHeadSize = 256;
+// The largest head size of the CUDA-core kernel (every head size the op takes), and of the
+// tensor-core one (past it, dispatch runs the CUDA-core kernel).
+constexpr int kMaxCudaAttentionHeadSize = 512;
+constexpr int kMaxTcAttentionHeadSize = 256;
 
-// The kernel instantiation that runs a head size: 64, 128 or 256 dims (a multiple of 8 up to
-// that; the lanes of the missing dims idle), or 0 when none does.
-inline int attention_padded_head(int head_size) {
-  if (head_size <= 0 || head_size % 8 != 0 || head_size > kMaxCudaAttentionHeadSize) return 0;
-  return head_size <= 64 ? 64 : (head_size <= 128 ? 128 : 256);
+// The kernel instantiation that runs a head size: 64, 128, 256 or 512 dims (a multiple of 8 up
+// to that; the lanes of the missing dims idle), or 0 when none of those up to max_head does.
+inline int attention_padded_head(int head_size, int max_head = kMaxCudaAttentionHeadSize) {
+  if (head_size <= 0 || head_size % 8 != 0 || head_size > max_head) return 0;
+  return head_size <= 64 ? 64 : (head_size <= 128 ? 128 : (head_size <= 256 ? 256 : 512));
 }
 
-// Returns f.template operator()<HEAD>() for the instantiation's head size (HEAD: 64, 128 or
-// 256), or cudaErrorInvalidValue when none runs head_size.
-template <typename F>
+// Returns f.template operator()<HEAD>() for the instantiation's head size (HEAD: 64, 128, 256,
+// or 512 when kMaxHead allows), or cudaErrorInvalidValue when none runs head_size.
+template <int kMaxHead = kMaxCudaAttentionHeadSize, typename F>
 cudaError_t with_padded_head(int head_size, F&& f) {
-  switch (attention_padded_head(head_size)) {
+  switch (attention_padded_head(head_size, kMaxHead)) {
     case 64: return f.template operator()<64>();
     case 128: return f.template operator()<128>();
     case 256: return f.template operator()<256>();
+    case 512:
+      if constexpr (kMaxHead >= 512) return f.template operator()<512>();
+      [[fallthrough]];
     default: return cudaErrorInvalidValue;
   }
 }

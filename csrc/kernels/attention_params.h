@@ -26,7 +26,6 @@
 namespace pagedkv {
 
 constexpr int32_t kMaxAttentionHeadSize = 512;   // head sizes: multiples of 8 up to this
-                                                 // (the CUDA kernels: kMaxCudaAttentionHeadSize)
 constexpr int32_t kMaxAttentionBlockSize = 256;
 
 struct PagedAttentionParams {

@@ -403,7 +403,7 @@ cudaError_t paged_attention_tc_typed(const PagedAttentionParams& p, const Attent
                                      cudaStream_t stream) {
   return with_cache_type<T>(p.cache_dtype, [&]<typename C>() {
     if (!is_fp8<C>::value && p.cache_dtype != p.dtype) return cudaErrorInvalidValue;
-    return with_padded_head(p.head_size, [&]<int HEAD>() {
+    return with_padded_head<kMaxTcAttentionHeadSize>(p.head_size, [&]<int HEAD>() {
       return paged_attention_tc_head<T, C, HEAD>(p, plan, stream);
     });
   });

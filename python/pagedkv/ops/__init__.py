@@ -129,7 +129,7 @@ def paged_attention(
         ``[num_tokens, num_heads, head_size]``, query's dtype; written. Last dim contiguous.
     query : Tensor
         ``[num_tokens, num_heads, head_size]``, float32 / float16 / bfloat16, last dim
-        contiguous. head_size a multiple of 8 up to 512 (the CUDA kernels: up to 256).
+        contiguous. head_size a multiple of 8 up to 512.
     key_cache, value_cache : Tensor
         ``[num_blocks, num_kv_heads, block_size, head_size]``, last dim contiguous, any other
         strides (NHD views, K/V views of one combined tensor). query's dtype, or fp8
