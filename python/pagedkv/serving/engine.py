@@ -56,17 +56,21 @@ class ServingLoop:
         vocab_size: token ids must be below it (None: any id in [0, 2**63)).
         max_positions: the longest request (prompt + output) the model takes (None: no limit).
         eos_token_id: a generated token that ends a request unless ``ignore_eos`` (None: none).
+        groups: the model's KV cache groups' windows (``spec.group_windows``; None: one group of
+            full attention): several groups or a window make the manager a
+            ``HybridBlockManager``.
     """
 
     def __init__(self, config: EngineConfig, vocab_size: int | None = None,
-                 max_positions: int | None = None, eos_token_id: int | None = None) -> None:
+                 max_positions: int | None = None, eos_token_id: int | None = None,
+                 groups: Sequence[int | None] | None = None) -> None:
         self.config = config
         if config.num_blocks is None:
             raise InvalidArgumentError("config.num_blocks must be set for a ServingLoop")
         self.manager = BlockManager(config.num_blocks, config.block_size,
                                     num_cpu_blocks=config.num_cpu_blocks,
                                     enable_prefix_caching=config.enable_prefix_caching,
-                                    reserve_null_block=config.reserve_null_block)
+                                    reserve_null_block=config.reserve_null_block, groups=groups)
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self._eos_token_id = eos_token_id
         self.stats = EngineStats()
@@ -84,8 +88,10 @@ class ServingLoop:
 
     @property
     def max_request_tokens(self) -> int:
-        """The longest request (prompt + output) the device pool can hold."""
-        return self.manager.allocator.num_usable_blocks * self.config.block_size
+        """The longest request (prompt + output) the device pool can hold: every KV cache
+        group holds its prompt's blocks until the prefill has run."""
+        num_groups = len(self.manager.group_windows)
+        return self.manager.allocator.num_usable_blocks // num_groups * self.config.block_size
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -236,7 +242,7 @@ class LLMEngine(ServingLoop):
         if num_blocks != config.num_blocks:
             config = dataclasses.replace(config, num_blocks=num_blocks, kv_cache_bytes=None)
         super().__init__(config, model.config.vocab_size, model.config.max_position_embeddings,
-                         model.config.eos_token_id)
+                         model.config.eos_token_id, spec.group_windows)
         self.model = model.eval()
         self.tp = model.tp
         self.device = param.device

@@ -24,6 +24,7 @@ from enum import Enum
 import torch
 
 from pagedkv import checks
+from pagedkv.blocks.groups import live_blocks
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 
@@ -252,8 +253,7 @@ class Scheduler:
         scheduled = []
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
-            blocks = len(self.manager.block_table(request.request_id))
-            if not self.manager.allocator.can_allocate(blocks + 1):
+            if not self._can_swap_in(request):
                 break
             self.swapped.popleft()
             self.manager.swap_in(request.request_id)
@@ -261,6 +261,19 @@ class Scheduler:
             self._run(request)
             scheduled.append((request, 1))
         return scheduled
+
+    def _can_swap_in(self, request: Request) -> bool:
+        """Room to swap the request in (``manager.can_swap_in``, every group) and to append its
+        next token: when that token starts a block, one more block per group, counted against
+        the blocks it holds (at least what its swap-in takes)."""
+        seq_id, manager = request.request_id, self.manager
+        if not manager.can_swap_in(seq_id):
+            return False
+        if (request.num_tokens - 1) % self.config.block_size:
+            return True
+        groups = range(len(manager.group_windows))
+        held = sum(len(live_blocks(manager.block_table(seq_id, g))) for g in groups)
+        return manager.allocator.can_allocate(held + len(groups))
 
     def _admit(self, num_batched: int) -> list[tuple[Request, int]]:
         scheduled = []

@@ -1,0 +1,159 @@
+"""The engine on sliding-window models against Hugging Face greedy generation: Mistral (every
+layer a 16-token window) and Ministral (window and full layers alternating) on the hybrid block
+manager, with contexts past three windows, a prefix hit that crosses the window, and preemption
+by recompute and by swap; attention sinks against the reference op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.blocks.hybrid import HybridBlockManager
+from pagedkv.ops import reference
+from pagedkv.serving.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedkv.serving.model import LlamaForCausalLM, ModelConfig
+
+transformers = pytest.importorskip("transformers")
+from test_model_hf import hf_greedy, one_thread  # noqa: E402, F401
+
+WINDOW = 16
+MAX_TOKENS = 24
+_lengths = torch.Generator().manual_seed(5)
+LONG = torch.randint(0, 256, (52,), generator=_lengths).tolist()  # over three windows
+PROMPTS = [torch.randint(0, 256, (n,), generator=_lengths).tolist() for n in (5, 23)]
+PROMPTS += [LONG, LONG + [3, 4, 5]]  # the last shares the long prompt's blocks
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None, sliding_window=WINDOW,
+            attn_implementation="eager")
+
+
+def mistral() -> torch.nn.Module:
+    torch.manual_seed(11)
+    config = transformers.MistralConfig(num_hidden_layers=2, **TINY)
+    return transformers.MistralForCausalLM(config).eval()
+
+
+def ministral() -> torch.nn.Module:
+    torch.manual_seed(12)
+    kinds = ["sliding_attention", "full_attention"] * 2
+    config = transformers.MinistralConfig(num_hidden_layers=4, layer_types=kinds, head_dim=16,
+                                          **TINY)
+    return transformers.MinistralForCausalLM(config).eval()
+
+
+MODELS = {"mistral": mistral, "ministral": ministral}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def case(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, list[list[int]]]:
+    hf = MODELS[request.param]()
+    return hf, [hf_greedy(hf, prompt, MAX_TOKENS) for prompt in PROMPTS]
+
+
+def run(engine: LLMEngine) -> list[list[int]]:
+    """Greedy outputs per prompt, checking after every step that a decoding request holds at
+    most the window plus a block in every window group."""
+    manager, size = engine.manager, engine.config.block_size
+    requests = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+        decoding = [i for i, q in engine.last_batch if q == 1]
+        for request in (r for r in requests if r.request_id in decoding and r.finish_time is None):
+            for group, window in enumerate(manager.group_windows):
+                if window is not None:
+                    held = manager.num_held_blocks(request.request_id, group)
+                    assert held <= (window - 1) // size + 2, (request.request_id, group, held)
+    return [r.output_token_ids for r in requests]
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_windowed_model_matches_hf_with_a_prefix_hit_past_the_window(case, block_size) -> None:
+    hf, expected = case
+    model = LlamaForCausalLM.from_hf(hf)
+    engine = LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=96))
+    assert isinstance(engine.manager, HybridBlockManager)
+    assert engine.manager.group_windows == model.kv_cache_spec(block_size,
+                                                              torch.float32).group_windows
+    assert run(engine) == expected
+    assert engine.prefix_hit_rate > 0
+    assert engine.manager.allocator.num_used_blocks == 0
+
+
+def test_the_shared_prompt_hits_across_the_window(case) -> None:
+    hf, expected = case
+    engine = LLMEngine(LlamaForCausalLM.from_hf(hf), EngineConfig(block_size=4, num_blocks=96))
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    assert engine.generate([LONG], params) == [expected[2]]
+    second = engine.add_request(PROMPTS[3], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert second.num_cached_tokens == len(LONG) // 4 * 4 > 3 * WINDOW
+    assert second.output_token_ids == expected[3]
+
+
+@pytest.mark.parametrize("num_cpu_blocks", [0, 64])
+def test_preemption_matches_hf(case, num_cpu_blocks: int) -> None:
+    hf, expected = case
+    windows = len(LlamaForCausalLM.from_hf(hf).kv_cache_spec(4, torch.float32).group_windows)
+    engine = LLMEngine(LlamaForCausalLM.from_hf(hf),
+                       EngineConfig(block_size=4, num_blocks=20 * windows + 1,
+                                    num_cpu_blocks=num_cpu_blocks))
+    assert run(engine) == expected
+    stats = engine.stats
+    assert stats.swaps_out + stats.recomputes > 0
+    assert (stats.swaps_out > 0) == bool(num_cpu_blocks)
+    assert engine.manager.allocator.num_used_blocks == 0
+
+
+def test_sliding_windows_from_hf_configs() -> None:
+    assert ModelConfig.from_hf(mistral().config).sliding_windows == (WINDOW, WINDOW)
+    assert ModelConfig.from_hf(ministral().config).sliding_windows == (WINDOW, None) * 2
+    qwen = transformers.Qwen2Config(num_hidden_layers=4, use_sliding_window=True,
+                                    sliding_window=32, max_window_layers=2)
+    assert ModelConfig.from_hf(qwen).sliding_windows == (None, None, 32, 32)
+    qwen.use_sliding_window = False
+    assert ModelConfig.from_hf(transformers.Qwen2Config(num_hidden_layers=2)).sliding_windows \
+        is None
+    assert ModelConfig.from_hf(transformers.LlamaConfig(num_hidden_layers=2)).sliding_windows \
+        is None
+
+
+@pytest.mark.parametrize("windows", [(8,), (8, 0), "ab", (8, -1)])
+def test_bad_sliding_windows_are_refused(windows) -> None:
+    from pagedkv.errors import InvalidArgumentError
+    with pytest.raises(InvalidArgumentError, match="sliding_windows"):
+        ModelConfig(num_hidden_layers=2, sliding_windows=windows)
+
+
+def test_sinks_match_the_reference_op() -> None:
+    """Random sinks on window and full layers: the engine's tokens and last logits over the
+    kernels equal those over ``pagedkv.ops.reference``, and differ from the model without
+    sinks."""
+    config = ModelConfig(num_hidden_layers=2, sliding_windows=(8, None), attention_sinks=True)
+    torch.manual_seed(4)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2)
+    prompts = PROMPTS[:3]
+
+    def outputs(kernels, sinks: bool = True) -> list[list[int]]:
+        for layer in model.model.layers:
+            layer.self_attn.kernels = kernels
+        saved = [layer.self_attn.sinks.data.clone() for layer in model.model.layers]
+        if not sinks:
+            for layer in model.model.layers:
+                layer.self_attn.sinks.data.zero_().sub_(1e9)
+        engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64))
+        out = engine.generate(prompts, SamplingParams(max_tokens=12))
+        for layer, data in zip(model.model.layers, saved, strict=True):
+            layer.self_attn.sinks.data.copy_(data)
+        return out
+
+    from pagedkv import ops
+    ours = outputs(ops)
+    assert ours == outputs(reference)
+    assert ours != outputs(ops, sinks=False)
