@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from pagedkv.blocks.hybrid import HybridBlockManager
+from pagedkv.blocks.manager import BlockManager
+from pagedkv.blocks.plan import PlanExecutor
+from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.ops import reference
 from pagedkv.serving.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedkv.serving.model import LlamaForCausalLM, ModelConfig
@@ -106,6 +109,42 @@ def test_preemption_matches_hf(case, num_cpu_blocks: int) -> None:
     assert engine.manager.allocator.num_used_blocks == 0
 
 
+def test_blocks_behind_the_window_are_never_read(case) -> None:
+    """The model over a ``debug_nan`` hybrid manager: every fresh and every released block is
+    NaN-filled before the step's kernels, so a read of a block behind the window (a -1 entry
+    or a released one) would turn the tokens into NaN's argmax."""
+    hf, expected = case
+    model = LlamaForCausalLM.from_hf(hf)
+    spec = model.kv_cache_spec(4, torch.float32)
+    cache = PagedKVCache(spec, num_blocks=128)
+    manager = BlockManager(cache.num_blocks, 4, groups=spec.group_windows,
+                           enable_prefix_caching=False, debug_nan=True)
+    executor = PlanExecutor(cache)
+    ids = list(range(len(PROMPTS)))
+    for i, prompt in enumerate(PROMPTS):
+        manager.add_sequence(i, prompt)
+    tokens, query_lens, poisoned = [list(p) for p in PROMPTS], [len(p) for p in PROMPTS], set()
+    for _ in range(MAX_TOKENS):
+        batch = manager.build_batch(ids, query_lens)
+        poisoned.update(executor.run(manager).poison)
+        pairs = list(zip(tokens, query_lens, strict=True))
+        with torch.no_grad():
+            logits = model(torch.tensor([t for seq, q in pairs for t in seq[-q:]]),
+                           torch.cat([torch.arange(len(seq) - q, len(seq)) for seq, q in pairs]),
+                           cache, batch, batch.query_start_loc[1:].long() - 1)
+        assert not logits.isnan().any()
+        for i, token in enumerate(logits.argmax(-1).tolist()):
+            tokens[i].append(token)
+            manager.append_tokens(i, token)
+        query_lens = [1] * len(PROMPTS)
+    assert [seq[len(p):] for seq, p in zip(tokens, PROMPTS, strict=True)] == expected
+    window_groups = [g for g, w in enumerate(manager.group_windows) if w is not None]
+    held = {b for i in ids for g in range(len(manager.group_windows))
+            for b in manager.block_table(i, g)}
+    freed = [i for i in ids for g in window_groups if -1 in manager.block_table(i, g)]
+    assert freed and poisoned - held  # blocks were released behind the window and filled
+
+
 def test_sliding_windows_from_hf_configs() -> None:
     assert ModelConfig.from_hf(mistral().config).sliding_windows == (WINDOW, WINDOW)
     assert ModelConfig.from_hf(ministral().config).sliding_windows == (WINDOW, None) * 2
@@ -157,3 +196,32 @@ def test_sinks_match_the_reference_op() -> None:
     ours = outputs(ops)
     assert ours == outputs(reference)
     assert ours != outputs(ops, sinks=False)
+
+
+def test_sinks_shard_by_query_heads() -> None:
+    from pagedkv.serving.model import shard_state_dict
+    from pagedkv.serving.parallel import TensorParallel
+
+    config = ModelConfig(num_hidden_layers=2, sliding_windows=(8, None), attention_sinks=True)
+    state = LlamaForCausalLM(config).state_dict()
+    name = "model.layers.1.self_attn.sinks"
+    state[name] = torch.randn(config.num_attention_heads)
+    halves = [shard_state_dict(state, config, TensorParallel(r, 2)) for r in range(2)]
+    assert torch.equal(torch.cat([h[name] for h in halves]), state[name])
+    rank = LlamaForCausalLM(config, TensorParallel(1, 2))
+    rank.load_hf_state_dict(state)  # strict: every rank's sinks have its heads' shape
+    assert torch.equal(rank.model.layers[1].self_attn.sinks.data, halves[1][name])
+    assert [layer.self_attn.window for layer in rank.model.layers] == [8, None]
+
+
+def test_cuda_kernel_source_under_simt_matches_hf(case) -> None:
+    """The CUDA kernels, emulated on the CPU, over window tables with freed (-1) entries."""
+    from pagedkv.ops import simt
+    if not simt.available():
+        pytest.skip("pagedkv built without the simt emulator")
+    hf, expected = case
+    model = LlamaForCausalLM.from_hf(hf).use_kernels(simt.ops)
+    engine = LLMEngine(model, EngineConfig(block_size=8, num_blocks=64))
+    prompts, n = [PROMPTS[1], LONG[:30]], 6
+    assert engine.generate(prompts, SamplingParams(max_tokens=n)) == [
+        expected[1][:n], hf_greedy(hf, LONG[:30], n)]
