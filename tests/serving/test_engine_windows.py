@@ -225,3 +225,13 @@ def test_cuda_kernel_source_under_simt_matches_hf(case) -> None:
     prompts, n = [PROMPTS[1], LONG[:30]], 6
     assert engine.generate(prompts, SamplingParams(max_tokens=n)) == [
         expected[1][:n], hf_greedy(hf, LONG[:30], n)]
+
+
+def test_a_model_without_windows_keeps_the_plain_manager() -> None:
+    engine = LLMEngine(LlamaForCausalLM(ModelConfig(num_hidden_layers=2)),
+                       EngineConfig(block_size=4, num_blocks=33))
+    assert type(engine.manager) is BlockManager and engine.max_request_tokens == 128
+    hybrid = LLMEngine(LlamaForCausalLM(ModelConfig(num_hidden_layers=2,
+                                                    sliding_windows=(8, None))),
+                       EngineConfig(block_size=4, num_blocks=33))
+    assert hybrid.manager.group_windows == (8, None) and hybrid.max_request_tokens == 64
