@@ -151,7 +151,6 @@ def test_sliding_windows_from_hf_configs() -> None:
     qwen = transformers.Qwen2Config(num_hidden_layers=4, use_sliding_window=True,
                                     sliding_window=32, max_window_layers=2)
     assert ModelConfig.from_hf(qwen).sliding_windows == (None, None, 32, 32)
-    qwen.use_sliding_window = False
     assert ModelConfig.from_hf(transformers.Qwen2Config(num_hidden_layers=2)).sliding_windows \
         is None
     assert ModelConfig.from_hf(transformers.LlamaConfig(num_hidden_layers=2)).sliding_windows \
