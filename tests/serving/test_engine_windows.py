@@ -234,3 +234,11 @@ def test_a_model_without_windows_keeps_the_plain_manager() -> None:
                                                     sliding_windows=(8, None))),
                        EngineConfig(block_size=4, num_blocks=33))
     assert hybrid.manager.group_windows == (8, None) and hybrid.max_request_tokens == 64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_matches_hf_on_cpu(case) -> None:
+    hf, expected = case
+    engine = LLMEngine(LlamaForCausalLM.from_hf(hf).cuda(),
+                       EngineConfig(block_size=8, num_blocks=64))
+    assert run(engine) == expected
