@@ -55,18 +55,21 @@ def case(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, list[list[int
 
 
 def run(engine: LLMEngine) -> list[list[int]]:
-    """Greedy outputs per prompt, checking after every step that a decoding request holds at
-    most the window plus a block in every window group."""
+    """Greedy outputs per prompt, checking after every step that a request which computed q
+    tokens holds at most ``(q + W - 2) // block_size + 2`` blocks in a window-W group (the
+    window plus a block when decoding). ``engine.peak_window_blocks``: the most it saw."""
     manager, size = engine.manager, engine.config.block_size
     requests = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
+    engine.peak_window_blocks = 0
     while engine.has_unfinished():
         engine.step()
-        decoding = [i for i, q in engine.last_batch if q == 1]
-        for request in (r for r in requests if r.request_id in decoding and r.finish_time is None):
-            for group, window in enumerate(manager.group_windows):
-                if window is not None:
-                    held = manager.num_held_blocks(request.request_id, group)
-                    assert held <= (window - 1) // size + 2, (request.request_id, group, held)
+        for request_id, q in engine.last_batch:
+            if request_id in manager:
+                for group, window in enumerate(manager.group_windows):
+                    if window is not None:
+                        held = manager.num_held_blocks(request_id, group)
+                        assert held <= (q + window - 2) // size + 2, (request_id, group, held)
+                        engine.peak_window_blocks = max(engine.peak_window_blocks, held)
     return [r.output_token_ids for r in requests]
 
 
@@ -143,6 +146,42 @@ def test_blocks_behind_the_window_are_never_read(case) -> None:
             for b in manager.block_table(i, g)}
     freed = [i for i in ids for g in window_groups if -1 in manager.block_table(i, g)]
     assert freed and poisoned - held  # blocks were released behind the window and filled
+
+
+@pytest.mark.parametrize("num_cpu_blocks", [None, 0, 64])
+def test_chunked_prefill_matches_hf(case, num_cpu_blocks: int | None) -> None:
+    """Prompts in chunks of at most 12 tokens: a window group frees blocks as the chunks go
+    (the 52-token prompt never holds its 13 blocks at once); with a small pool (an int
+    ``num_cpu_blocks``), preemption by recompute or swap in the middle of chunked prefills."""
+    hf, expected = case
+    model = LlamaForCausalLM.from_hf(hf)
+    groups = len(model.kv_cache_spec(4, torch.float32).group_windows)
+    num_blocks = 96 if num_cpu_blocks is None else 20 * groups + 1
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=num_blocks,
+                                           num_cpu_blocks=num_cpu_blocks or 0,
+                                           max_num_batched_tokens=12, chunked_prefill=True))
+    assert run(engine) == expected
+    assert engine.peak_window_blocks < len(LONG) // 4
+    if num_cpu_blocks is not None:
+        assert engine.stats.swaps_out + engine.stats.recomputes > 0
+    assert engine.manager.allocator.num_used_blocks == 0
+
+
+def test_chunked_prefill_on_a_full_attention_model() -> None:
+    from helpers import tiny_hf_model
+
+    hf = tiny_hf_model(seed=3)
+    expected = [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
+    engine = LLMEngine(LlamaForCausalLM.from_hf(hf),
+                       EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=10,
+                                    chunked_prefill=True))
+    requests = [engine.add_request(p, SamplingParams(max_tokens=8)) for p in PROMPTS]
+    sizes = []
+    while engine.has_unfinished():
+        engine.step()
+        sizes.append(sum(q for _, q in engine.last_batch))
+    assert [r.output_token_ids for r in requests] == expected
+    assert max(sizes) <= 10
 
 
 def test_sliding_windows_from_hf_configs() -> None:

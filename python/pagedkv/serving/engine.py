@@ -153,7 +153,7 @@ class ServingLoop:
         scheduled = self._in_flight
         requests = [request for request, _ in scheduled]
         query_lens = [q for _, q in scheduled]
-        shape = StepShape.of([r.num_tokens for r in requests], query_lens,
+        shape = StepShape.of([r.context_len for r in requests], query_lens,
                              self.manager.num_pending_swaps)
         next_tokens, seconds = self.run_batch(requests, query_lens, shape, start)
         self._in_flight = None
@@ -163,7 +163,8 @@ class ServingLoop:
         self.stats.seconds += seconds
         self.stats.swapped_blocks += shape.swap_blocks
         self._record(requests)
-        finished = [r for r, t in zip(requests, next_tokens, strict=True) if self._append(r, t)]
+        finished = [r for r, t in zip(requests, next_tokens, strict=True)
+                    if r.prefill_end is None and self._append(r, t)]
         for request in finished:
             request.finish_time = self.clock
             self.scheduler.finish(request)
@@ -190,7 +191,7 @@ class ServingLoop:
         stats.peak_running = max(stats.peak_running, len(requests))
         stats.used_slots += self.manager.allocator.num_used_blocks * size
         # a table holds exactly the blocks its tokens need: the empty slots are in the last one
-        stats.empty_slots += sum(-r.num_tokens % size for r in requests)
+        stats.empty_slots += sum(-r.context_len % size for r in requests)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -260,7 +261,7 @@ class LLMEngine(ServingLoop):
                   start: float) -> tuple[list[int], float]:
         batch = self.manager.build_batch([r.request_id for r in requests], query_lens,
                                          device=self.device)
-        tokens = [r.token_ids for r in requests]
+        tokens = [r.token_ids[:r.context_len] for r in requests]
         input_ids = [t for seq, q in zip(tokens, query_lens, strict=True) for t in seq[-q:]]
         positions = [p for seq, q in zip(tokens, query_lens, strict=True)
                      for p in range(len(seq) - q, len(seq))]

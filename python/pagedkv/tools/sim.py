@@ -112,7 +112,7 @@ class SimulatedServer(ServingLoop):
         recomputing = [r.output_token_ids and q > 1 for r, q in zip(requests, query_lens,
                                                                      strict=True)]
         if shape.swap_blocks or any(recomputing):  # what the step would take without them
-            kept = [(r.num_tokens, q) for r, q, redo in zip(requests, query_lens, recomputing,
+            kept = [(r.context_len, q) for r, q, redo in zip(requests, query_lens, recomputing,
                                                                  strict=True) if not redo]
             base = StepShape.of([n for n, _ in kept], [q for _, q in kept])
             self.preemption_seconds += seconds - self.cost.step_seconds(base)
@@ -127,7 +127,7 @@ class SimulatedServer(ServingLoop):
     def _record(self, requests: list[Request]) -> None:
         super()._record(requests)
         groups = len(self.manager.group_windows)  # every group's last block holds the gap
-        self.stats.empty_slots += (groups - 1) * sum(-r.num_tokens % self.config.block_size
+        self.stats.empty_slots += (groups - 1) * sum(-r.context_len % self.config.block_size
                                                      for r in requests)
 
     def next_token(self, request: Request) -> int:
