@@ -281,3 +281,29 @@ def test_cuda_matches_hf_on_cpu(case) -> None:
     engine = LLMEngine(LlamaForCausalLM.from_hf(hf).cuda(),
                        EngineConfig(block_size=8, num_blocks=64))
     assert run(engine) == expected
+
+
+@pytest.mark.parametrize("num_cpu_blocks", [0, 16])
+def test_chunked_prefill_under_pressure_gives_the_roomy_engine_tokens(num_cpu_blocks) -> None:
+    """Random prompts and lengths, budgets of 8 tokens, pools just large enough: every request
+    finishes (no step without work) with the tokens of an engine with room and no chunks."""
+    torch.manual_seed(6)
+    model = LlamaForCausalLM(ModelConfig(num_hidden_layers=2, sliding_windows=(8, None)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    lengths = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (int(n),), generator=lengths).tolist()
+               for n in torch.randint(1, 40, (10,), generator=lengths)]
+    params = [SamplingParams(max_tokens=int(n))
+              for n in torch.randint(1, 12, (10,), generator=lengths)]
+    expected = LLMEngine(model, EngineConfig(block_size=4, num_blocks=256)).generate(prompts,
+                                                                                   params)
+    for num_blocks in (25, 27, 29):  # the smallest fits the longest request in both groups
+        engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=num_blocks,
+                                               num_cpu_blocks=num_cpu_blocks,
+                                               max_num_batched_tokens=8, chunked_prefill=True))
+        assert engine.generate(prompts, params) == expected, num_blocks
+        assert engine.stats.swaps_out + engine.stats.recomputes > 0
+        assert (engine.stats.swaps_out > 0) == bool(num_cpu_blocks)
+        assert engine.manager.allocator.num_used_blocks == 0

@@ -230,7 +230,7 @@ class Scheduler:
         """(request, query tokens) for this step, their tokens already in the block manager."""
         preempted = self._reserve_decodes()
         scheduled = [(request, 1) for request in self.running if request.prefill_end is None]
-        if not preempted or not self.running:
+        if not preempted or not scheduled:  # nothing decodes: a chunked prefill may go on
             scheduled += self._swap_in()
             scheduled += self._continue_prefills(sum(q for _, q in scheduled))
             if not self.swapped:
