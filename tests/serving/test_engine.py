@@ -206,6 +206,7 @@ def test_generate_checks_the_whole_batch_before_queueing(hf, expected, case: str
     dict(max_num_seqs=0), dict(block_size=0), dict(block_size=2.0), dict(block_size=True),
     dict(num_blocks=-1), dict(num_blocks=0), dict(num_blocks=None), dict(num_cpu_blocks=-1),
     dict(max_num_batched_tokens=0), dict(kv_cache_bytes=0), dict(seed=-1),
+    dict(chunked_prefill=1),
 ], ids=lambda kwargs: ",".join(f"{k}={v}" for k, v in kwargs.items()))
 def test_bad_engine_config_raises_at_construction(kwargs) -> None:
     with pytest.raises(InvalidArgumentError, match=next(iter(kwargs))):

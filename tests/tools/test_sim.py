@@ -232,6 +232,6 @@ def test_the_hybrid_strategy_runs_the_hybrid_manager_on_more_pages():
     assert server.scheduler.manager is server.manager
     with pytest.raises(ValueError, match="needs the model's KV cache groups"):
         sim.run_strategy(sim.HYBRID, requests, arrivals, LinearCost(), 6000)
-    with pytest.raises(ValueError, match="num_cpu_blocks"):
-        sim.run_strategy(sim.HYBRID, requests, arrivals, LinearCost(), 6000, hybrid=hybrid,
-                         num_cpu_blocks=8)
+    swapped = sim.run_strategy(sim.HYBRID, requests, arrivals, LinearCost(), 6000, 16, 1024,
+                               hybrid=hybrid, num_cpu_blocks=256)
+    assert swapped.finished == 60 and swapped.swapped_blocks > 0

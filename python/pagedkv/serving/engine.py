@@ -56,17 +56,21 @@ class ServingLoop:
         vocab_size: token ids must be below it (None: any id in [0, 2**63)).
         max_positions: the longest request (prompt + output) the model takes (None: no limit).
         eos_token_id: a generated token that ends a request unless ``ignore_eos`` (None: none).
+        groups: the model's KV cache groups' windows (``spec.group_windows``; None: one group of
+            full attention): several groups or a window make the manager a
+            ``HybridBlockManager``.
     """
 
     def __init__(self, config: EngineConfig, vocab_size: int | None = None,
-                 max_positions: int | None = None, eos_token_id: int | None = None) -> None:
+                 max_positions: int | None = None, eos_token_id: int | None = None,
+                 groups: Sequence[int | None] | None = None) -> None:
         self.config = config
         if config.num_blocks is None:
             raise InvalidArgumentError("config.num_blocks must be set for a ServingLoop")
         self.manager = BlockManager(config.num_blocks, config.block_size,
                                     num_cpu_blocks=config.num_cpu_blocks,
                                     enable_prefix_caching=config.enable_prefix_caching,
-                                    reserve_null_block=config.reserve_null_block)
+                                    reserve_null_block=config.reserve_null_block, groups=groups)
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self._eos_token_id = eos_token_id
         self.stats = EngineStats()
@@ -84,8 +88,10 @@ class ServingLoop:
 
     @property
     def max_request_tokens(self) -> int:
-        """The longest request (prompt + output) the device pool can hold."""
-        return self.manager.allocator.num_usable_blocks * self.config.block_size
+        """The longest request (prompt + output) the device pool can hold: every KV cache
+        group holds its prompt's blocks until the prefill has run."""
+        num_groups = len(self.manager.group_windows)
+        return self.manager.allocator.num_usable_blocks // num_groups * self.config.block_size
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -147,7 +153,7 @@ class ServingLoop:
         scheduled = self._in_flight
         requests = [request for request, _ in scheduled]
         query_lens = [q for _, q in scheduled]
-        shape = StepShape.of([r.num_tokens for r in requests], query_lens,
+        shape = StepShape.of([r.context_len for r in requests], query_lens,
                              self.manager.num_pending_swaps)
         next_tokens, seconds = self.run_batch(requests, query_lens, shape, start)
         self._in_flight = None
@@ -157,7 +163,8 @@ class ServingLoop:
         self.stats.seconds += seconds
         self.stats.swapped_blocks += shape.swap_blocks
         self._record(requests)
-        finished = [r for r, t in zip(requests, next_tokens, strict=True) if self._append(r, t)]
+        finished = [r for r, t in zip(requests, next_tokens, strict=True)
+                    if r.prefill_end is None and self._append(r, t)]
         for request in finished:
             request.finish_time = self.clock
             self.scheduler.finish(request)
@@ -184,7 +191,7 @@ class ServingLoop:
         stats.peak_running = max(stats.peak_running, len(requests))
         stats.used_slots += self.manager.allocator.num_used_blocks * size
         # a table holds exactly the blocks its tokens need: the empty slots are in the last one
-        stats.empty_slots += sum(-r.num_tokens % size for r in requests)
+        stats.empty_slots += sum(-r.context_len % size for r in requests)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -236,7 +243,7 @@ class LLMEngine(ServingLoop):
         if num_blocks != config.num_blocks:
             config = dataclasses.replace(config, num_blocks=num_blocks, kv_cache_bytes=None)
         super().__init__(config, model.config.vocab_size, model.config.max_position_embeddings,
-                         model.config.eos_token_id)
+                         model.config.eos_token_id, spec.group_windows)
         self.model = model.eval()
         self.tp = model.tp
         self.device = param.device
@@ -254,7 +261,7 @@ class LLMEngine(ServingLoop):
                   start: float) -> tuple[list[int], float]:
         batch = self.manager.build_batch([r.request_id for r in requests], query_lens,
                                          device=self.device)
-        tokens = [r.token_ids for r in requests]
+        tokens = [r.token_ids[:r.context_len] for r in requests]
         input_ids = [t for seq, q in zip(tokens, query_lens, strict=True) for t in seq[-q:]]
         positions = [p for seq, q in zip(tokens, query_lens, strict=True)
                      for p in range(len(seq) - q, len(seq))]

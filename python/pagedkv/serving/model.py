@@ -15,7 +15,6 @@ this rank's slices, before any prepacking; o_proj and down_proj outputs are all-
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,74 +27,12 @@ from pagedkv import ops
 from pagedkv.blocks.batch import BatchTensors
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.cache.spec import KVCacheSpec
+from pagedkv.serving.config import ModelConfig
+from pagedkv.serving.layers import RMSNorm, RotaryEmbedding
 from pagedkv.serving.linear import LinearGroup, pack_groups
 from pagedkv.serving.parallel import TensorParallel, kv_heads_per_rank, shard_range
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "shard_state_dict"]
-
-
-@dataclass(slots=True)
-class ModelConfig:
-    """The hyperparameters of a Llama decoder (names as in ``transformers.LlamaConfig``)."""
-
-    vocab_size: int = 256
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3", "factor": ..., ...}
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    eos_token_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-
-    @classmethod
-    def from_hf(cls, config: Any) -> ModelConfig:
-        """From a ``transformers.LlamaConfig`` (v5 ``rope_parameters`` or older ``rope_theta``)."""
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-        rope = dict(rope or {})
-        theta = rope.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        eos = config.eos_token_id
-        if (act := getattr(config, "hidden_act", "silu")) != "silu":
-            raise ValueError(f"only hidden_act='silu' is supported, got {act!r}")
-        return cls(
-            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_hidden_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads or config.num_attention_heads,
-            head_dim=getattr(config, "head_dim", None), rms_norm_eps=config.rms_norm_eps,
-            rope_theta=float(theta), rope_scaling=scaling,
-            max_position_embeddings=config.max_position_embeddings,
-            tie_word_embeddings=bool(config.tie_word_embeddings),
-            attention_bias=bool(getattr(config, "attention_bias", False)),
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        )
-
-    def kv_cache_spec(self, block_size: int, dtype: torch.dtype = torch.float32,
-                      cache_dtype: torch.dtype | None = None, tp_size: int = 1) -> KVCacheSpec:
-        """The spec of this model's KV cache (of one rank's heads among ``tp_size``)."""
-        return KVCacheSpec(self.num_hidden_layers,
-                           kv_heads_per_rank(self.num_key_value_heads, tp_size), self.head_dim,
-                           block_size, dtype, cache_dtype)
-
-    def check_tp(self, tp_size: int) -> None:
-        """Raises InvalidArgumentError unless the model splits over ``tp_size`` ranks."""
-        tp = TensorParallel(0, tp_size)
-        shard_range(self.num_attention_heads, tp, "the attention heads")
-        shard_range(self.intermediate_size, tp, "intermediate_size")
-        kv_heads_per_rank(self.num_key_value_heads, tp_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +61,8 @@ class Shard:
                   "up_proj": slice(*self.inter)}
         row = {"o_proj": heads(self.heads), "down_proj": slice(*self.inter)}
         parts = name.split(".")
+        if parts[-1] == "sinks":  # one per query head
+            return tensor[slice(*self.heads)]
         if len(parts) < 2 or parts[-2] not in column | row:
             return tensor
         layer, kind = parts[-2], parts[-1]
@@ -142,63 +81,10 @@ def shard_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig,
     return {name: shard.slice(name, t, config.head_dim) for name, t in state.items()}
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 like Hugging Face's LlamaRMSNorm."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]``: theta^(-2i/d), with llama3 scaling if configured."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    if scaling.get("rope_type", scaling.get("type")) != "llama3":
-        raise ValueError(f"unsupported rope scaling {scaling!r} (only llama3)")
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding of the two halves of each head (Hugging Face's rotate_half)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 ``[T]``; q ``[T, H, D]``, k ``[T, Hkv, D]``."""
-        freqs = positions[:, None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Attention(nn.Module):
-    """GQA self-attention over the paged cache of one layer."""
+    """GQA self-attention over the paged cache of one layer: it writes and reads with its KV
+    cache group's slot mapping and block tables (``batch.group_*[group]``), attends within its
+    sliding window (``window``, None: full), with its sinks (float32 ``[num_heads]``, or None)."""
 
     kernels: Any = ops  # pagedkv.ops, or a torch.ops namespace with the same schemas
 
@@ -218,6 +104,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
         self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
         self.out = LinearGroup(self.o_proj)
+        self.window = config.window(layer)
+        self.group = config.kv_cache_spec(1, tp_size=tp.size).page_slot(layer)[0]
+        self.sinks = (nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+                      if config.attention_sinks else None)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 cache: PagedKVCache, batch: BatchTensors) -> torch.Tensor:
@@ -233,17 +123,21 @@ class Attention(nn.Module):
         v_scale = cache.v_scales[self.layer] if cache.v_scales else None
         kernels = self.kernels
         kernels.reshape_and_cache(key=k, value=v, key_cache=key_cache, value_cache=value_cache,
-                                  slot_mapping=batch.slot_mapping, k_scale=k_scale,
-                                  v_scale=v_scale)
+                                  slot_mapping=batch.group_slot_mappings[self.group],
+                                  k_scale=k_scale, v_scale=v_scale)
         out = torch.empty_like(q)
         kernels.paged_attention(
             out=out, query=q, key_cache=key_cache, value_cache=value_cache,
-            block_tables=batch.block_tables, seq_lens=batch.seq_lens,
+            block_tables=batch.group_block_tables[self.group], seq_lens=batch.seq_lens,
             query_start_loc=batch.query_start_loc if batch.max_query_len > 1 else None,
             max_seq_len=batch.max_seq_len, max_query_len=batch.max_query_len, scale=self.scale,
-            alibi_slopes=None, sliding_window=-1, soft_cap=0.0, k_scale=k_scale,
-            v_scale=v_scale, lse_out=None)
+            alibi_slopes=None, sliding_window=-1 if self.window is None else self.window,
+            soft_cap=0.0, k_scale=k_scale, v_scale=v_scale, lse_out=None, sinks=self._sinks())
         return self.tp.all_reduce(self.out(out.view(n, -1))[0])
+
+    def _sinks(self) -> torch.Tensor | None:
+        """The sinks in float32, as the kernel takes them (the model may be in another dtype)."""
+        return None if self.sinks is None else self.sinks.float()
 
 
 class MLP(nn.Module):

@@ -2,8 +2,12 @@
 
 Every step the scheduler (1) gives each running request one decode token, preempting the most
 recently admitted requests when blocks run out (swap to the CPU pool, or free and recompute later);
-(2) when nothing was preempted, swaps requests back in and then admits waiting ones (FIFO, no
-skipping), whose prefill starts after their prefix-cache hits, within ``max_num_batched_tokens``.
+(2) when nothing was preempted, swaps requests back in, continues chunked prefills, and then admits
+waiting ones (FIFO, no skipping), whose prefill starts after their prefix-cache hits, within
+``max_num_batched_tokens``. With ``EngineConfig.chunked_prefill`` a prompt larger than what is
+left of that budget is prefilled over several steps, a chunk per step; its K/V of each chunk is
+written before the next chunk's queries run, which is the block manager's default
+``num_computed``, so a window group frees the blocks behind each chunk's window as it goes.
 All scheduled requests run as one batch: varlen prefill and decode together when someone
 prefills, a pure decode batch otherwise.
 
@@ -24,6 +28,7 @@ from enum import Enum
 import torch
 
 from pagedkv import checks
+from pagedkv.blocks.groups import live_blocks
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 
@@ -63,6 +68,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_cached_tokens: int = 0  # prefix-cache hits at the last admission
+    prefill_end: int | None = None  # during a chunked prefill: the tokens in the block manager
     num_preemptions: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -75,6 +81,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the block manager once scheduled: all, or a chunked prefill's so far."""
+        return self.num_tokens if self.prefill_end is None else self.prefill_end
 
     @property
     def ttft(self) -> float | None:
@@ -104,7 +115,9 @@ class EngineConfig:
     ``num_blocks`` device blocks (or as many as fit in ``kv_cache_bytes``); ``num_cpu_blocks`` > 0
     preempts by swapping to a CPU pool, else (or when it is full) by freeing and recomputing.
     ``block_size`` = the longest request with prefix caching off is contiguous max-length
-    reservation: one block per request (``EngineConfig.contiguous``).
+    reservation: one block per request (``EngineConfig.contiguous``). ``chunked_prefill``: a
+    prompt over the step's remaining ``max_num_batched_tokens`` is prefilled in chunks of what
+    remains (its prefix hit is looked up in its first chunk), rather than alone in a step.
     """
 
     block_size: int = 16
@@ -117,6 +130,7 @@ class EngineConfig:
     reserve_null_block: bool = True
     cache_dtype: torch.dtype | None = None
     seed: int = 0
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         self.block_size = checks.positive(self.block_size, "block_size")
@@ -131,6 +145,9 @@ class EngineConfig:
         self.max_num_batched_tokens = checks.positive(self.max_num_batched_tokens,
                                                       "max_num_batched_tokens")
         self.seed = checks.count(self.seed, "seed")
+        if not isinstance(self.chunked_prefill, bool):
+            raise InvalidArgumentError(f"chunked_prefill must be a bool, got "
+                                       f"{self.chunked_prefill!r}")
 
     @classmethod
     def contiguous(cls, max_len: int, num_slots: int, **kwargs) -> EngineConfig:
@@ -212,9 +229,10 @@ class Scheduler:
     def schedule(self) -> list[tuple[Request, int]]:
         """(request, query tokens) for this step, their tokens already in the block manager."""
         preempted = self._reserve_decodes()
-        scheduled = [(request, 1) for request in self.running]
-        if not preempted or not self.running:
+        scheduled = [(request, 1) for request in self.running if request.prefill_end is None]
+        if not preempted or not scheduled:  # nothing decodes: a chunked prefill may go on
             scheduled += self._swap_in()
+            scheduled += self._continue_prefills(sum(q for _, q in scheduled))
             if not self.swapped:
                 scheduled += self._admit(sum(q for _, q in scheduled))
         return scheduled
@@ -223,6 +241,9 @@ class Scheduler:
         queue, self.running, preempted = deque(self.running), [], False
         while queue:
             request = queue.popleft()
+            if request.prefill_end is not None:  # its next chunk comes after the decodes
+                self.running.append(request)
+                continue
             while not self.manager.can_append(request.request_id):
                 preempted = True
                 victim = queue.pop() if queue else request
@@ -240,7 +261,7 @@ class Scheduler:
             self.manager.swap_out(request.request_id)
         except OutOfBlocksError:
             self.manager.free(request.request_id)
-            request.status = Status.WAITING
+            request.status, request.prefill_end = Status.WAITING, None
             self.waiting.appendleft(request)
             self.stats.recomputes += 1
             return
@@ -252,35 +273,85 @@ class Scheduler:
         scheduled = []
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
-            blocks = len(self.manager.block_table(request.request_id))
-            if not self.manager.allocator.can_allocate(blocks + 1):
+            if not self._can_swap_in(request):
                 break
             self.swapped.popleft()
             self.manager.swap_in(request.request_id)
-            self.manager.append_tokens(request.request_id, request.output_token_ids[-1])
             self._run(request)
-            scheduled.append((request, 1))
+            if request.prefill_end is None:  # a chunked prefill continues in _continue_prefills
+                self.manager.append_tokens(request.request_id, request.output_token_ids[-1])
+                scheduled.append((request, 1))
         return scheduled
+
+    def _continue_prefills(self, num_batched: int) -> list[tuple[Request, int]]:
+        """The next chunk of every chunked prefill, oldest first, within the token budget;
+        without room for a chunk, the newest chunked prefill not yet scheduled is preempted."""
+        scheduled = []
+        pending = deque(r for r in self.running if r.prefill_end is not None)
+        while pending:
+            request = pending.popleft()
+            tokens, end = request.token_ids, request.prefill_end
+            count = min(len(tokens) - end, self.config.max_num_batched_tokens - num_batched)
+            if count < 1:
+                break
+            while not self.manager.can_append(request.request_id, count):
+                victim = pending.pop() if pending else request
+                self.running.remove(victim)
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                self.manager.append_tokens(request.request_id, tokens[end:end + count])
+                request.prefill_end = None if end + count == len(tokens) else end + count
+                scheduled.append((request, count))
+                num_batched += count
+                self._count_prefill(request, count)
+        return scheduled
+
+    def _can_swap_in(self, request: Request) -> bool:
+        """Room to swap the request in (``manager.can_swap_in``, every group) and to append its
+        next token (none for a chunked prefill: its chunk asks for its own room): when that
+        token starts a block, one more block per group, counted against the blocks it holds
+        (at least what its swap-in takes)."""
+        seq_id, manager = request.request_id, self.manager
+        if not manager.can_swap_in(seq_id):
+            return False
+        if request.prefill_end is not None or (request.num_tokens - 1) % self.config.block_size:
+            return True
+        groups = range(len(manager.group_windows))
+        held = sum(len(live_blocks(manager.block_table(seq_id, g))) for g in groups)
+        return manager.allocator.can_allocate(held + len(groups))
 
     def _admit(self, num_batched: int) -> list[tuple[Request, int]]:
         scheduled = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             tokens = request.token_ids
-            over_budget = num_batched + len(tokens) > self.config.max_num_batched_tokens
-            if (scheduled and over_budget) or not self.manager.can_allocate(tokens):
+            left = self.config.max_num_batched_tokens - num_batched
+            if self.config.chunked_prefill:
+                if left < 1:
+                    break
+                tokens = tokens[:left]
+            elif scheduled and len(tokens) > left:
+                break
+            if not self.manager.can_allocate(tokens):
                 break
             self.waiting.popleft()
             cached = self.manager.add_sequence(request.request_id, tokens)
             request.num_cached_tokens = cached
+            if len(tokens) < request.num_tokens:
+                request.prefill_end = len(tokens)
             self._run(request)
             computed = len(tokens) - cached
             scheduled.append((request, computed))
             num_batched += computed
-            self.stats.prefill_tokens += computed
-            if request.output_token_ids:  # readmitted after a preemption by recompute
-                self.stats.recompute_tokens += computed
+            self._count_prefill(request, computed)
         return scheduled
+
+    def _count_prefill(self, request: Request, computed: int) -> None:
+        self.stats.prefill_tokens += computed
+        if request.output_token_ids:  # readmitted after a preemption by recompute
+            self.stats.recompute_tokens += computed
 
     def _run(self, request: Request) -> None:
         request.status = Status.RUNNING

@@ -186,15 +186,10 @@ def _resolve_strategies(args: argparse.Namespace) -> None:
     windowed = args.model.layer_windows is not None
     if args.strategies is None:
         args.strategies = list(sim.ALL_STRATEGIES if windowed else sim.STRATEGIES)
-        if args.cpu_blocks:
-            args.strategies = list(sim.STRATEGIES)
         return
     if sim.HYBRID in args.strategies and not windowed:
         args.parser.error(f"argument --strategies: {sim.HYBRID} needs a model with "
                           f"sliding-window layers; {args.model.name} has none")
-    if sim.HYBRID in args.strategies and args.cpu_blocks:
-        args.parser.error(f"argument --strategies: {sim.HYBRID} preempts by recompute "
-                          "(--cpu-blocks 0)")
 
 
 def _requests(args: argparse.Namespace) -> list[traces.Request]:

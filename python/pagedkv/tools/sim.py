@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 
 from pagedkv import checks
-from pagedkv.blocks.manager import BlockManager
 from pagedkv.blocks.plan import PHASES
 from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.serving.engine import ServingLoop
@@ -78,17 +77,18 @@ class StepCost(Protocol):
 
 
 class SimulatedServer(ServingLoop):
-    """A ServingLoop whose steps are priced by ``cost`` and whose tokens come from the trace."""
+    """A ServingLoop whose steps are priced by ``cost`` and whose tokens come from the trace.
+
+    ``groups``: the hybrid manager's windows (None: the plain manager); its blocks are pages,
+    ``pages_per_block`` of them in the bytes of a block of every layer, which is what ``cost``
+    prices a swapped block at."""
 
     def __init__(self, config: EngineConfig, cost: StepCost, max_len: int,
-                 groups: tuple[int | None, ...] | None = None) -> None:
-        super().__init__(config, max_positions=max_len)
-        if groups is not None:  # the hybrid manager in the scheduler's hands
-            self.manager = self.scheduler.manager = BlockManager(
-                config.num_blocks, config.block_size, num_cpu_blocks=config.num_cpu_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
-                reserve_null_block=config.reserve_null_block, groups=groups)
+                 groups: tuple[int | None, ...] | None = None,
+                 pages_per_block: float = 1.0) -> None:
+        super().__init__(config, max_positions=max_len, groups=groups)
         self.cost = cost
+        self.pages_per_block = pages_per_block
         self.trace: dict[int, traces.Request] = {}
         self.preemption_seconds = 0.0
         self.series: dict[str, list[float]] = {"time": [], "reserved": [], "stored": [],
@@ -105,11 +105,14 @@ class SimulatedServer(ServingLoop):
         plan = self.manager.plan()
         for phase in PHASES:  # nothing to copy: the simulation holds no K/V
             self.manager.complete(plan, phase)
+        if shape.swap_blocks:  # the blocks of every layer whose bytes the swapped pages take
+            shape = replace(
+                shape, swap_blocks=math.ceil(shape.swap_blocks / self.pages_per_block))
         seconds = self.cost.step_seconds(shape)
         recomputing = [r.output_token_ids and q > 1 for r, q in zip(requests, query_lens,
                                                                      strict=True)]
         if shape.swap_blocks or any(recomputing):  # what the step would take without them
-            kept = [(r.num_tokens, q) for r, q, redo in zip(requests, query_lens, recomputing,
+            kept = [(r.context_len, q) for r, q, redo in zip(requests, query_lens, recomputing,
                                                                  strict=True) if not redo]
             base = StepShape.of([n for n, _ in kept], [q for _, q in kept])
             self.preemption_seconds += seconds - self.cost.step_seconds(base)
@@ -124,7 +127,7 @@ class SimulatedServer(ServingLoop):
     def _record(self, requests: list[Request]) -> None:
         super()._record(requests)
         groups = len(self.manager.group_windows)  # every group's last block holds the gap
-        self.stats.empty_slots += (groups - 1) * sum(-r.num_tokens % self.config.block_size
+        self.stats.empty_slots += (groups - 1) * sum(-r.context_len % self.config.block_size
                                                      for r in requests)
 
     def next_token(self, request: Request) -> int:
@@ -195,16 +198,17 @@ def run_strategy(name: str, requests: Sequence[traces.Request], arrivals: Sequen
                  hybrid: Hybrid | None = None, **scheduler: Any) -> StrategyResult:
     """Serve ``requests`` arriving at ``arrivals`` under one strategy (see the module doc);
     ``num_slots`` are token slots of blocks of every layer (``paged+hybrid``, which needs
-    ``hybrid``, turns them into its pages)."""
-    groups = None
+    ``hybrid``, turns them and ``num_cpu_blocks`` into its pages)."""
+    groups, pages_per_block = None, 1.0
     if name == HYBRID:
         if hybrid is None:
             raise ValueError(f"{HYBRID} needs the model's KV cache groups (hybrid=Hybrid.of(spec))")
-        if scheduler.get("num_cpu_blocks"):
-            raise ValueError(f"{HYBRID} preempts by recompute: num_cpu_blocks must be 0")
-        groups, num_slots = hybrid.groups, int(num_slots * hybrid.pages_per_block)
+        groups, pages_per_block = hybrid.groups, hybrid.pages_per_block
+        num_slots = int(num_slots * pages_per_block)
+        if scheduler.get("num_cpu_blocks"):  # the CPU pool's bytes hold pages too
+            scheduler["num_cpu_blocks"] = int(scheduler["num_cpu_blocks"] * pages_per_block)
     config = strategy_config(name, num_slots, block_size, max_len, **scheduler)
-    server = SimulatedServer(config, cost, max_len, groups)
+    server = SimulatedServer(config, cost, max_len, groups, pages_per_block)
     try:
         queued = drive(server, arrivals, lambda i, t: server.add_trace_request(requests[i], t))
     except RuntimeError as e:
