@@ -95,15 +95,16 @@ def paired_with_probe(fn, probe: torch.Tensor, min_reps: int, min_time: float):
     return statistics.median(ours), statistics.median(rates), statistics.median(per_pair)
 
 
-def make_row(num_seqs: int, seq_len: int, block_size: int, dtype: torch.dtype, device):
+def make_row(num_seqs: int, seq_len: int, block_size: int, dtype: torch.dtype, device,
+             head_size: int = HEAD_SIZE):
     blocks_per_seq = seq_len // block_size
     num_blocks = num_seqs * blocks_per_seq + 1
-    shape = (num_blocks, NUM_KV_HEADS, block_size, HEAD_SIZE)
+    shape = (num_blocks, NUM_KV_HEADS, block_size, head_size)
     key_cache = zeros_kv(shape, dtype, device).normal_()  # allocated as PagedKVCache does
     value_cache = zeros_kv(shape, dtype, device).normal_()
     table = torch.randperm(num_blocks - 1, device=device)[: num_seqs * blocks_per_seq] + 1
     return dict(
-        query=torch.randn(num_seqs, NUM_HEADS, HEAD_SIZE, device=device).to(dtype),
+        query=torch.randn(num_seqs, NUM_HEADS, head_size, device=device).to(dtype),
         key_cache=key_cache,
         value_cache=value_cache,
         block_tables=table.view(num_seqs, blocks_per_seq).int(),
@@ -148,13 +149,13 @@ def peak_gflops(kind: str = "fp32", seconds: float = 0.02) -> float | None:
 
 
 def make_prefill_row(num_seqs: int, new: int, cached: int, kv_heads: int, dtype: torch.dtype,
-                     device, block_size: int = 16) -> dict:
+                     device, block_size: int = 16, head_size: int = HEAD_SIZE) -> dict:
     seq_len = cached + new
     blocks_per_seq = -(-seq_len // block_size)
     num_blocks = num_seqs * blocks_per_seq + 1
-    shape = (num_blocks, kv_heads, block_size, HEAD_SIZE)
+    shape = (num_blocks, kv_heads, block_size, head_size)
     table = torch.randperm(num_blocks - 1, device=device)[: num_seqs * blocks_per_seq] + 1
-    query = torch.randn(num_seqs * new, NUM_HEADS, HEAD_SIZE, device=device).to(dtype)
+    query = torch.randn(num_seqs * new, NUM_HEADS, head_size, device=device).to(dtype)
     return dict(
         out=torch.empty_like(query),
         query=query,
@@ -168,10 +169,10 @@ def make_prefill_row(num_seqs: int, new: int, cached: int, kv_heads: int, dtype:
     )
 
 
-def prefill_flops(num_seqs: int, new: int, cached: int) -> float:
+def prefill_flops(num_seqs: int, new: int, cached: int, head_size: int = HEAD_SIZE) -> float:
     """4 x head size per (query head, visible key): query i (of new) sees cached + i + 1 keys."""
     visible = new * cached + new * (new + 1) // 2
-    return 4.0 * HEAD_SIZE * NUM_HEADS * visible * num_seqs
+    return 4.0 * head_size * NUM_HEADS * visible * num_seqs
 
 
 def paired_with_peak(fn, min_reps: int, min_time: float, threads: int):

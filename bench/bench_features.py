@@ -7,8 +7,11 @@ second of B (decode; GFLOP/s for prefill) and its fraction of the probe, and the
 pairs of B / A: the feature's cost in the same run, which the noise of a shared machine weighs
 on alike.
 
-Features: sinks (gpt-oss's attention sinks, one float32 logit per query head), decode and
-chunked prefill (bf16, 32 query heads / 8 kv heads, head size 128).
+Features (bf16, 32 query heads / 8 kv heads, decode and chunked prefill):
+  sinks     gpt-oss's attention sinks, one float32 logit per query head, at head size 128;
+  head512   head size 512 (Gemma 4's global layers) against 128 over the same tokens: B reads
+            4x the bytes and does 4x the FLOPs, so its GB/s and GFLOP/s are the figures and
+            x plain near 4 means the same rate.
 
     python bench/bench_features.py [--quick] [--device cpu|cuda]
 
@@ -72,38 +75,49 @@ def paired(plain, featured, probe: torch.Tensor, min_reps: int, min_time: float)
                 inverse=statistics.median(inverse), pairs=len(a))
 
 
-def sinks_rows(quick: bool, dev: torch.device, probe: torch.Tensor) -> list[dict]:
+def decode_call(num_seqs: int, seq_len: int, dev, head_size: int = HEAD_SIZE, **kw):
+    """A decode call (bf16, block size 16) and the K/V bytes it reads."""
+    row = make_row(num_seqs, seq_len, 16, torch.bfloat16, dev, head_size)
+    out = torch.empty_like(row["query"])
+    args = (row["query"], row["key_cache"], row["value_cache"], row["block_tables"],
+            row["seq_lens"], None, seq_len, 1, head_size**-0.5)
+    kv_bytes = 2 * row["key_cache"].element_size() * num_seqs * seq_len * NUM_KV_HEADS * head_size
+    return (lambda: pagedkv.ops.paged_attention(out, *args, **kw)), kv_bytes
+
+
+def prefill_call(num_seqs: int, new: int, cached: int, dev, head_size: int = HEAD_SIZE, **kw):
+    """A chunked prefill call (bf16, GQA 4) and its FLOPs."""
+    row = make_prefill_row(num_seqs, new, cached, NUM_KV_HEADS, torch.bfloat16, dev,
+                           head_size=head_size)
+    args = (row["out"], row["query"], row["key_cache"], row["value_cache"], row["block_tables"],
+            row["seq_lens"], row["query_start_loc"], row["max_seq_len"], row["max_query_len"],
+            head_size**-0.5)
+    flops = prefill_flops(num_seqs, new, cached, head_size)
+    return (lambda: pagedkv.ops.paged_attention(*args, **kw)), flops
+
+
+def feature_rows(quick: bool, dev: torch.device, probe: torch.Tensor) -> list[dict]:
     reps, seconds = (3, 0.0) if quick else (9, 1.0)
     sinks = torch.randn(NUM_HEADS, device=dev)
-    dtype = torch.bfloat16
+    # feature -> (plain kwargs, featured kwargs): head size and the op's keywords
+    features = {"sinks": ({}, {"sinks": sinks}), "head512": ({}, {"head_size": 512})}
     results = []
-    for num_seqs, seq_len in DECODE_ROWS[:1] if quick else DECODE_ROWS:
-        row = make_row(num_seqs, seq_len, 16, dtype, dev)
-        out = torch.empty_like(row["query"])
-        args = (row["query"], row["key_cache"], row["value_cache"], row["block_tables"],
-                row["seq_lens"], None, seq_len, 1, HEAD_SIZE**-0.5)
-        r = paired(lambda out=out, args=args: pagedkv.ops.paged_attention(out, *args),
-                   lambda out=out, args=args: pagedkv.ops.paged_attention(out, *args,
-                                                                          sinks=sinks),
-                   probe, reps, seconds)
-        kv_bytes = 2 * row["key_cache"].element_size() * num_seqs * seq_len * NUM_KV_HEADS * \
-            HEAD_SIZE
-        results.append(dict(feature="sinks", kind="decode", shape=f"{num_seqs} x {seq_len}",
-                            kv_bytes=kv_bytes, gbps=kv_bytes / r["ms"] * 1e3 / 1e9,
-                            bw_fraction=kv_bytes * r.pop("inverse"), **r))
-    for num_seqs, new, cached in PREFILL_ROWS:
-        row = make_prefill_row(num_seqs, new, cached, NUM_KV_HEADS, dtype, dev)
-        args = (row["out"], row["query"], row["key_cache"], row["value_cache"],
-                row["block_tables"], row["seq_lens"], row["query_start_loc"], row["max_seq_len"],
-                row["max_query_len"], HEAD_SIZE**-0.5)
-        r = paired(lambda args=args: pagedkv.ops.paged_attention(*args),
-                   lambda args=args: pagedkv.ops.paged_attention(*args, sinks=sinks),
-                   probe, max(reps // 3, 2), seconds)
-        r.pop("inverse")  # compute-bound: GFLOP/s, not a fraction of the read bandwidth
-        results.append(dict(feature="sinks", kind="prefill",
-                            shape=f"{num_seqs} x {new} + {cached}",
-                            gflops=prefill_flops(num_seqs, new, cached) / r["ms"] * 1e3 / 1e9,
-                            **r))
+    for feature, (plain_kw, kw) in features.items():
+        for num_seqs, seq_len in DECODE_ROWS[:1] if quick else DECODE_ROWS:
+            plain, _ = decode_call(num_seqs, seq_len, dev, **plain_kw)
+            featured, kv_bytes = decode_call(num_seqs, seq_len, dev, **kw)
+            r = paired(plain, featured, probe, reps, seconds)
+            results.append(dict(feature=feature, kind="decode", shape=f"{num_seqs} x {seq_len}",
+                                kv_bytes=kv_bytes, gbps=kv_bytes / r["ms"] * 1e3 / 1e9,
+                                bw_fraction=kv_bytes * r.pop("inverse"), **r))
+        for num_seqs, new, cached in PREFILL_ROWS:
+            plain, _ = prefill_call(num_seqs, new, cached, dev, **plain_kw)
+            featured, flops = prefill_call(num_seqs, new, cached, dev, **kw)
+            r = paired(plain, featured, probe, max(reps // 3, 2), seconds)
+            r.pop("inverse")  # compute-bound: GFLOP/s, not a fraction of the read bandwidth
+            results.append(dict(feature=feature, kind="prefill",
+                                shape=f"{num_seqs} x {new} + {cached}",
+                                gflops=flops / r["ms"] * 1e3 / 1e9, **r))
     for r in results:
         r.update(dtype="bfloat16", device=str(dev), threads=torch.get_num_threads())
     return results
@@ -129,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
     dev = torch.device(opts.device)
     probe = torch.ones(2**26, device=dev)
-    results = sinks_rows(opts.quick, dev, probe)
+    results = feature_rows(opts.quick, dev, probe)
     print_table(results)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1))
