@@ -3,7 +3,8 @@
 # end: build the extension for the local GPU, run the whole test suite on the cuda backend, then
 # the CUDA attention benchmark, the CUDA-core and tensor-core kernels side by side
 # (bench.bench_attention_tc: chunked prefill TFLOPS and fraction of the dense bf16 peak, GQA-8
-# decode GB/s and fraction of the copy bandwidth), the SASS model's estimate of each measured
+# decode GB/s and fraction of the copy bandwidth), the cost of sinks and of head 512
+# (bench.bench_features), the SASS model's estimate of each measured
 # decode row (bench_gpu_model --join: the model's calibration) and, where ncu is installed and may
 # read the counters, the instructions and DRAM bytes of one decode launch (docs/gpu_model.md).
 # Every step is logged under LOGDIR and bounded by a timeout.
@@ -75,6 +76,8 @@ if wants bench; then
   cp bench/results/attention_cuda.json "$LOGDIR/" 2>/dev/null || true
   step bench_tc "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_attention_tc || true
   cp bench/results/attention_tc.json "$LOGDIR/" 2>/dev/null || true
+  step bench_features "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_features --device cuda || true
+  cp bench/results/features.json "$LOGDIR/" 2>/dev/null || true
 fi
 if wants model && [ -f bench/results/attention_cuda.json ]; then
   step model "${MODEL_TIMEOUT:-300}" "$PYTHON" -m bench.bench_gpu_model --devices a100-80gb,h100,h200 \
