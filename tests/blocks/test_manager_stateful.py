@@ -336,14 +336,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert getattr(after, phase) == getattr(before, phase), phase
         event(f"run_plan: failed in {fail_on}")
 
+    def held_tables(self, seq_id: int) -> list[list[int]]:
+        """The blocks the sequence holds, a list per block table (one here)."""
+        return [self.manager.block_table(seq_id)]
+
     @invariant()
     def reference_counts_are_tables_plus_plan(self):
         plan = self.manager.plan()
         pins = {False: Counter(src for src, _ in plan.copies),
                 True: Counter(cpu for cpu, _ in plan.swap_in)}
         for pool, swapped in ((self.manager.allocator, False), (self.manager.cpu_allocator, True)):
-            tables = [self.manager.block_table(s) for s in self.seqs
-                      if self.manager.is_swapped(s) == swapped]
+            tables = [t for s in self.seqs if self.manager.is_swapped(s) == swapped
+                      for t in self.held_tables(s)]
             assert all(len(set(t)) == len(t) for t in tables)
             holders = Counter(b for t in tables for b in t) + pins[swapped]
             assert [pool.ref_counts[b] for b in range(pool.num_blocks)] == \
