@@ -47,12 +47,9 @@ __global__ void __launch_bounds__(kMergeThreads)
       x[j] = i < n ? load(lse + i, "workspace") : -INFINITY;
       m = fmaxf(m, x[j]);
     }
-    // The sink (a virtual key of value 0, kernels/attention_params.h) enters max and sum once.
-    const float sink = p.sinks != nullptr ? load(p.sinks + head, "sinks") : -INFINITY;
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    m = fmaxf(m, sink);
-    float sum = lane == 0 && sink != -INFINITY ? expf(sink - m) : 0.f;
+    float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < kAttnMaxParts / 32; ++j) {
       x[j] = m == -INFINITY ? 0.f : expf(x[j] - m);
@@ -60,11 +57,19 @@ __global__ void __launch_bounds__(kMergeThreads)
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float total = m == -INFINITY ? -INFINITY : m + logf(sum);
+    float total = m == -INFINITY ? -INFINITY : m + logf(sum);
+    // The merged row is a finished one: its sink enters here, once (sink_row, as OutRow and the
+    // CPU kernels apply it), scaling every partition's weight.
+    float keep = 1.f;
+    if (p.sinks != nullptr) {
+      const SinkedRow sunk = sink_row(total, load(p.sinks + head, "sinks"));
+      keep = sunk.keep;
+      total = sunk.lse;
+    }
 #pragma unroll
     for (int j = 0; j < kAttnMaxParts / 32; ++j) {
       const int i = lane + 32 * j;
-      if (i < n) weight[i] = total == -INFINITY ? 0.f : x[j] / sum;
+      if (i < n) weight[i] = m == -INFINITY ? 0.f : x[j] / sum * keep;
     }
     if (lane == 0) merged = total;
   }
