@@ -51,7 +51,9 @@ SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))
 CONTINUOUS_BATCHING_TRANSFORMERS = (5, 24)
 """The one (major, minor) whose continuous batching ``varlen_attention_forward`` was checked
 against: it reads undocumented keyword arguments of that code (cu_seq_lens_q/k, max_length_q/k)."""
-_KWARG = "pagedkv_cache"  # the model keyword argument that carries the cache to the attention
+STEP_KWARG = "pagedkv_cache"
+"""The model keyword argument that carries the step (a ``PagedCache``, or an engine step of
+``hf_engine``) to the "pagedkv" attention."""
 
 
 def transformers_version() -> tuple[int, int]:
@@ -254,8 +256,10 @@ class PagedCache(Cache):
         for seq_id in old:
             self.manager.free(seq_id)
 
-    def _attend(self, layer_idx: int, query: torch.Tensor, options: LayerOptions,
-                ) -> torch.Tensor:
+    def _attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, options: LayerOptions) -> torch.Tensor:
+        """``query [rows, heads, columns, head_size]`` over the cache (``update`` wrote the
+        key and value)."""
         step = self._current()
         batch = step.batch
         tokens = step.tokens(query)
@@ -281,12 +285,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     The layer's ``sliding_window``, ``softcap`` and ``s_aux`` (attention sinks), as transformers'
     attention modules pass them (gpt-oss, Gemma 2/3, Mistral, Qwen2), go to the kernel: see
     ``hf_step.LayerOptions``. A module with ``is_causal`` False (bidirectional) is refused."""
-    cache = kwargs.get(_KWARG)
-    if not isinstance(cache, PagedCache):
+    step = kwargs.get(STEP_KWARG)
+    if not hasattr(step, "_attend"):  # a PagedCache, or hf_engine's step
         raise ValueError('attn_implementation="pagedkv" reads a pagedkv.integrations.hf.PagedCache:'
                          " pass cache=PagedCache(model, num_blocks) to generate or forward")
     _refuse_bidirectional(module)
-    return cache._attend(module.layer_idx, query, LayerOptions.of(query, scaling, kwargs)), None
+    options = LayerOptions.of(query, scaling, kwargs)
+    return step._attend(module.layer_idx, query, key, value, options), None
 
 
 def _refuse_bidirectional(module: torch.nn.Module) -> None:
@@ -368,7 +373,7 @@ def _before_forward(model: torch.nn.Module, args: tuple, kwargs: dict):
     if input_ids is None:
         raise ValueError("PagedCache needs input_ids: the prefix cache keys blocks by token ids")
     cache._begin(input_ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
-    return args, {**kwargs, _KWARG: cache}
+    return args, {**kwargs, STEP_KWARG: cache}
 
 
 def _after_forward(model: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:

@@ -24,16 +24,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from pagedkv import checks
+from pagedkv.blocks.batch import BatchTensors
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.blocks.plan import PlanExecutor, cpu_cache_for
 from pagedkv.cache.paged_cache import PagedKVCache
+from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.serving.model import LlamaForCausalLM
+from pagedkv.serving.parallel import TensorParallel
 from pagedkv.serving.scheduler import (
     EngineConfig,
     EngineStats,
@@ -44,8 +48,33 @@ from pagedkv.serving.scheduler import (
     StepShape,
 )
 
-__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "Request", "SamplingParams",
+__all__ = ["CausalLM", "EngineConfig", "EngineStats", "LLMEngine", "Request", "SamplingParams",
            "ServingLoop", "Status", "StepShape"]
+
+
+class CausalLM(Protocol):
+    """What ``LLMEngine`` asks of its model: ``pagedkv.serving.model.LlamaForCausalLM``, or any
+    transformers causal LM as ``pagedkv.integrations.hf_engine.TransformersForCausalLM``.
+
+    ``config`` has ``vocab_size``, ``max_position_embeddings`` and ``eos_token_id``; ``tp`` is
+    the model's rank among tensor-parallel ranks. A call takes the flat query tokens of a batch
+    and their positions, writes their K/V to the cache and returns the logits of the tokens at
+    ``logits_indices``.
+    """
+
+    config: Any
+    tp: TensorParallel
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype,
+                      cache_dtype: torch.dtype | None = None) -> KVCacheSpec: ...
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def eval(self) -> nn.Module: ...
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                 batch: BatchTensors, logits_indices: torch.Tensor | None = None,
+                 ) -> torch.Tensor: ...
 
 
 class ServingLoop:
@@ -220,6 +249,10 @@ class ServingLoop:
 class LLMEngine(ServingLoop):
     """Generates for many requests at once with ``model`` over a paged KV cache.
 
+    ``model``: a ``CausalLM``, the hand-written ``LlamaForCausalLM`` (Llama, Mistral; tensor
+    parallel, prepacked linears) or ``TransformersForCausalLM`` (any transformers decoder with
+    full and sliding-window layers: gpt-oss, Gemma 2/3, Qwen2, ...).
+
     ``config.kv_cache_bytes`` is the KV memory of each tensor-parallel rank; every rank takes the
     smallest rank's block count, and must be given the same requests in the same order.
 
@@ -229,7 +262,7 @@ class LLMEngine(ServingLoop):
     >>> outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
     """
 
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         param = next(model.parameters())
         spec = model.kv_cache_spec(config.block_size, param.dtype, config.cache_dtype)
