@@ -48,11 +48,12 @@ $(EDITABLE): pyproject.toml
 		--config-settings editable_mode=compat -e .
 	touch $@
 
-# pytest-xdist: one worker per core (TEST_JOBS=0 runs the suite in this process).
+# pytest-xdist: one worker per core, an idle one taking tests from a busy one (worksteal);
+# TEST_JOBS=0 runs the suite in this process.
 TEST_JOBS ?= auto
 
 test: build
-	$(PY) -m pytest -q -n $(TEST_JOBS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal
 
 demo: build
 	$(VENV)/bin/pagedkv demo
@@ -73,10 +74,19 @@ $(DOCS_STAMP): requirements-docs.txt $(STAMP)
 docs: build $(DOCS_STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b html docs build/docs
 
-ctest: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake -S . -B build/cmake -G Ninja \
+# ctest and sanitize-thread need cmake and ninja, no torch: the venv's ninja (NATIVE_TOOLS=venv,
+# the default), or the cmake and ninja on PATH (NATIVE_TOOLS=system: no venv, so CI runs them
+# while `make setup` installs it).
+NATIVE_TOOLS ?= venv
+ifeq ($(NATIVE_TOOLS),venv)
+NATIVE_DEPS := setup
+NATIVE_ENV := PATH=$(CURDIR)/$(VENV)/bin:$$PATH
+endif
+
+ctest: $(NATIVE_DEPS)
+	$(NATIVE_ENV) cmake -S . -B build/cmake -G Ninja \
 		-DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake --build build/cmake
+	$(NATIVE_ENV) cmake --build build/cmake
 	ctest --test-dir build/cmake --output-on-failure -j $(MAX_JOBS)
 
 # ASan + UBSan: pagedkv._simt built again into build/simt-address (the in-place module stays),
@@ -89,13 +99,13 @@ sanitize-address: build
 	PAGEDKV_SIMT_SANITIZE=address $(PY) setup.py -q build_ext
 	PAGEDKV_SIMT_SANITIZE=address PAGEDKV_TEST_BACKENDS=simt LD_PRELOAD="$(SANITIZE_LIBS)" \
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-		$(PY) -m pytest -q -n $(TEST_JOBS) --capture=sys tests/ops tests/simt
+		$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal --capture=sys tests/ops tests/simt
 
 # TSan: the torch-free emulator self-tests, and the race check of a missing __syncthreads.
-sanitize-thread: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake -S . -B build/tsan -G Ninja \
+sanitize-thread: $(NATIVE_DEPS)
+	$(NATIVE_ENV) cmake -S . -B build/tsan -G Ninja \
 		-DCMAKE_BUILD_TYPE=RelWithDebInfo -DSIMT_SANITIZE=thread -DCUDAToolkit_ROOT=$(CUDA_HOME)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake --build build/tsan
+	$(NATIVE_ENV) cmake --build build/tsan
 	ctest --test-dir build/tsan --output-on-failure -j2
 
 sanitize: sanitize-address sanitize-thread

@@ -12,6 +12,7 @@ Environment switches:
   PAGEDKV_SIMT_SANITIZE=address  build only pagedkv._simt, with ASan + UBSan, into
                      build/simt-address/pagedkv (never in place; `make sanitize` runs it)
   TORCH_CUDA_ARCH_LIST  GPU archs to build for (default here "8.0;9.0" when no GPU is visible)
+  PAGEDKV_DEBUG=1    full debug information (-g: locals in gdb) instead of line tables (-g1)
   MAX_JOBS           parallel compile jobs (default: the number of cores)
   CUDA_HOME          toolkit root (default: derived from the real path of nvcc)
   PAGEDKV_EXT=0      no native modules (used by `make` to install the source tree editable once,
@@ -87,13 +88,19 @@ os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
 # -fno-wrapv: undoes the -fwrapv of Python's own CFLAGS, which setuptools puts first. With it,
 # GCC cannot assume that an int index does not overflow, and the CPU attention kernels' loops
 # over rows and keys ran 3-9% slower (bench/cpu_attention_ab.cpp, one version built each way).
-CXX_FLAGS = ["-O3", "-std=c++20", "-Wall", "-Wno-unknown-pragmas", "-fopenmp", "-fno-wrapv"]
+# -g1: line tables only (file and line in backtraces, perf and the sanitizers' reports) over the
+# -g of Python's CFLAGS, whose full debug information of the torch headers doubled the compile
+# time of every unit that includes them (simt_backend/attention_ops.cpp: 34 s with -g, 16 s with
+# -g1; under ASan, 39 and 25 s). GCC emits the same code either way.
+DEBUG_FLAGS = ["-g"] if os.environ.get("PAGEDKV_DEBUG") == "1" else ["-g1"]
+CXX_FLAGS = ["-O3", "-std=c++20", "-Wall", "-Wno-unknown-pragmas", "-fopenmp", "-fno-wrapv",
+             *DEBUG_FLAGS]
 # -Xptxas=-v: ptxas's resource report of every kernel, which scripts/ptxas_log.sh (the nvcc that
 # cpp_extension runs, see nvcc_with_ptxas_log) keeps beside each object for the spill check.
 NVCC_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-Xptxas=-v"]
 SIMT_FLAGS = [
-    "-std=c++20", "-O1", "-g", "-fno-strict-aliasing", "-UNDEBUG", "-Wno-unknown-pragmas",
-    "-pthread",
+    "-std=c++20", "-O1", *DEBUG_FLAGS, "-fno-strict-aliasing", "-UNDEBUG",
+    "-Wno-unknown-pragmas", "-pthread",
 ]
 # PAGEDKV_SIMT_SANITIZE: a sanitized pagedkv._simt beside (not over) the normal one.
 SIMT_SANITIZE = os.environ.get("PAGEDKV_SIMT_SANITIZE", "")

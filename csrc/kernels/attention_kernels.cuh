@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksP
   const int rows = tile.rows;
   if (rows <= 0) return;  // the whole block: no barrier skipped
   const int part_begin = tile.part_begin, part_end = tile.part_end;
-  const int kv_head = tile.kv_head, group_size = tile.group;
+  const int kv_head = tile.kv_head;
 
   const int tid = threadIdx.x;
   const int head_size = p.head_size;

@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   const AttentionTile tile(p, plan, Cfg::kBM);
   const int rows = tile.rows;
   if (rows <= 0) return;  // the whole block: no barrier skipped
-  const int part_end = tile.part_end, window = tile.window, kv_head = tile.kv_head;
+  const int part_end = tile.part_end, window = tile.window;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;

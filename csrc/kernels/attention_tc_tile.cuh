@@ -113,7 +113,7 @@ struct TcCopy {
         tid(threadIdx.x),
         my_row(threadIdx.x / Cfg::kChunks),
         part_end(tile.part_end),
-        chunk_in((threadIdx.x % Cfg::kChunks) * 8 < p.head_size) {}
+        chunk_in(static_cast<int>(threadIdx.x % Cfg::kChunks) * 8 < p.head_size) {}
 
   __device__ __forceinline__ T* k_dst(int buf, int pass) const {
     return kd + buf * Cfg::kKVElems + pass * kR * Cfg::kStride;

@@ -21,8 +21,9 @@ from helpers import ROOT, SIMT_SANITIZE
 HERE = Path(__file__).resolve().parent
 SOURCES = ["selftest_kernels.cpp", "selftest_faults.cpp", "selftest_tensor_core.cpp",
            "selftest_ops.cpp"]
-# As setup.py compiles the emulated units: kernels type-pun (no strict aliasing) and assert.
-FLAGS = ["-std=c++20", "-O1", "-g", "-fno-strict-aliasing", "-UNDEBUG", "-Wno-unknown-pragmas",
+# As setup.py compiles the emulated units: kernels type-pun (no strict aliasing) and assert;
+# line tables only (-g1), as there.
+FLAGS = ["-std=c++20", "-O1", "-g1", "-fno-strict-aliasing", "-UNDEBUG", "-Wno-unknown-pragmas",
          "-pthread"]
 SANITIZE_FLAGS = {"address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
                               "-fno-omit-frame-pointer"]}

@@ -209,6 +209,7 @@ def test_simulate_defaults_are_where_memory_binds(capsys):
     assert alone["throughput_over_contiguous"] == {}
 
 
+# The sweeps are three tests, so that the suite's workers share them.
 def test_simulate_sweep_rate(capsys, tmp_path):
     png = tmp_path / "rate.png"
     data = run_json(capsys, *SMALL_SIM, "--sweep-rate", "--rates", "0.5,4,64",
@@ -219,9 +220,15 @@ def test_simulate_sweep_rate(capsys, tmp_path):
     lat = [row["strategies"]["paged"]["normalized_latency"]["mean"] for row in data["rates"]]
     assert lat == sorted(lat)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_sweep_rate_automatic(capsys):
     data = run_json(capsys, *SMALL_SIM, "--sweep-rate", "--strategies", "paged")
     assert len(data["rates"]) == 10  # automatic: up to 1.3x the saturated throughput
     assert data["binds"]["peak_running"].keys() == {"paged"}
+
+
+def test_simulate_sweep_rate_text(capsys):
     code, out, _ = run(capsys, *SMALL_SIM, "--sweep-rate", "--rates", "0.5,64")
     assert code == 0 and "at the highest rate swept, 64 requests/s:" in out and "KV budget" in out
 
