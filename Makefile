@@ -25,8 +25,8 @@ ifeq ($(TORCH),2.13.0)
 export PAGEDKV_CUDA ?= 0
 endif
 
-.PHONY: setup build test demo bench lint docs ctest sanitize sanitize-address sanitize-thread \
-	clean
+.PHONY: setup build test demo bench lint docs ctest sanitize sanitize-address \
+	sanitize-address-build sanitize-thread clean
 
 setup: $(STAMP)
 
@@ -95,11 +95,14 @@ ctest: $(NATIVE_DEPS)
 # design. A fault aborts pytest with the sanitizer's report (--capture=sys: pytest's capture of
 # the file descriptors would swallow it).
 SANITIZE_LIBS = $$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)
-sanitize-address: build
-	PAGEDKV_SIMT_SANITIZE=address $(PY) setup.py -q build_ext
+sanitize-address: build sanitize-address-build
 	PAGEDKV_SIMT_SANITIZE=address PAGEDKV_TEST_BACKENDS=simt LD_PRELOAD="$(SANITIZE_LIBS)" \
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal --capture=sys tests/ops tests/simt
+
+# The ASan + UBSan module alone (needs the venv, not the in-place build; CI starts it early).
+sanitize-address-build: setup
+	PAGEDKV_SIMT_SANITIZE=address $(PY) setup.py -q build_ext
 
 # TSan: the torch-free emulator self-tests, and the race check of a missing __syncthreads.
 sanitize-thread: $(NATIVE_DEPS)

@@ -116,7 +116,8 @@ def cpu_isa_units() -> list[str]:
     """The CPU attention kernels once per instruction set of PAGEDKV_CPU_ISAS
     (csrc/cpu/attention_work.h): for each, a generated source in build/cpu_isa/ that defines
     PKV_ISA_NAME and includes csrc/cpu/attention_isa.inc. Written only when its text changes,
-    so that rebuilds stay incremental."""
+    so that rebuilds stay incremental, and atomically (a build running beside this one, as CI
+    runs the ASan build, never reads a half-written unit)."""
     header = (ROOT / "csrc/cpu/attention_work.h").read_text()
     line = re.search(r"^#define PAGEDKV_CPU_ISAS\(X\)(.*)$", header, re.M).group(1)
     units = []
@@ -125,7 +126,9 @@ def cpu_isa_units() -> list[str]:
         text = f'#define PKV_ISA_NAME {isa}\n#include "cpu/attention_isa.inc"\n'
         if not unit.exists() or unit.read_text() != text:
             unit.parent.mkdir(parents=True, exist_ok=True)
-            unit.write_text(text)
+            staged = unit.with_suffix(f".{os.getpid()}.tmp")
+            staged.write_text(text)
+            staged.replace(unit)
         units.append(str(unit.relative_to(ROOT)))
     return units
 
