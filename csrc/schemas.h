@@ -7,6 +7,7 @@
 
 #include "ops/copy_blocks.h"
 #include "ops/merge_attn_states.h"
+#include "ops/mla_cache.h"
 #include "ops/paged_attention.h"
 #include "ops/reshape_and_cache.h"
 #include "ops/swap_blocks.h"
@@ -19,6 +20,8 @@ inline void define_schemas(torch::Library& m) {
   m.def(kSwapBlocksSchema);
   m.def(kPagedAttentionSchema);
   m.def(kMergeAttnStatesSchema);
+  m.def(kConcatAndCacheMlaSchema);
+  m.def(kGatherCacheSchema);
 }
 
 }  // namespace pagedkv

@@ -1,16 +1,18 @@
-// CPU kernels of the cache ops: multi-threaded with ATen's pool, rows moved with memcpy, fp8
-// quantized with the same saturating round-to-nearest-even as the CUDA kernels.
+// CPU kernels of the cache ops (the MLA cache's too): multi-threaded with ATen's pool, rows moved
+// with memcpy, fp8 quantized with the same saturating round-to-nearest-even as the CUDA kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
 #include "cpu/stream_copy.h"
 #include "ops/copy_blocks.h"
+#include "ops/mla_cache.h"
 #include "ops/reshape_and_cache.h"
 #include "ops/swap_blocks.h"
 
@@ -132,12 +134,99 @@ void swap_blocks(const SwapBlocksParams& p, const at::Tensor&, const at::Tensor&
   });
 }
 
+template <typename Src, typename Cache>
+void concat_and_cache_mla_typed(const ConcatAndCacheMlaParams& p) {
+  const float scale = p.scale ? *p.scale : 1.f;
+  const PagedKV<Cache> cache = p.cache.as<Cache>();
+  const int64_t row_bytes = (p.kv_lora_rank + p.rope_dim) * sizeof(Src);
+  const bool streaming = p.num_tokens * row_bytes >= cpu::kStreamingBytes;
+  at::parallel_for(0, p.num_tokens, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = p.slot_mapping[t];
+      if (slot < 0) continue;
+      Cache* row = cache.row(cache.locate(slot));
+      write_row(static_cast<const Src*>(p.kv_c) + t * p.kv_c_stride, row, p.kv_lora_rank, scale,
+                streaming);
+      write_row(static_cast<const Src*>(p.k_pe) + t * p.k_pe_stride, row + p.kv_lora_rank,
+                p.rope_dim, scale, streaming);
+    }
+    if (streaming) cpu::stream_fence();
+  });
+}
+
+template <typename Src>
+void concat_and_cache_mla_src(const ConcatAndCacheMlaParams& p) {
+  switch (p.cache_dtype) {
+    case DType::kFp8E4M3: return concat_and_cache_mla_typed<Src, c10::Float8_e4m3fn>(p);
+    case DType::kFp8E5M2: return concat_and_cache_mla_typed<Src, c10::Float8_e5m2>(p);
+    default: return concat_and_cache_mla_typed<Src, Src>(p);
+  }
+}
+
+void concat_and_cache_mla(const ConcatAndCacheMlaParams& p, const at::Tensor&) {
+  switch (p.src_dtype) {
+    case DType::kFloat32: return concat_and_cache_mla_src<float>(p);
+    case DType::kFloat16: return concat_and_cache_mla_src<c10::Half>(p);
+    default: return concat_and_cache_mla_src<c10::BFloat16>(p);
+  }
+}
+
+// Out rows in parallel: row r is position seq_starts[b] + r - cu[b] of the sequence b whose
+// range [cu[b], cu[b + 1]) holds it. Rows of the cache's type are copied as stored, fp8 rows
+// into a float out dequantized.
+template <typename Cache, typename Out>
+void gather_cache_typed(const GatherCacheParams& p) {
+  const float scale = p.scale ? *p.scale : 1.f;
+  const PagedKV<Cache> cache = p.cache.as<Cache>();
+  const int32_t* cu = p.cu_seq_lens;
+  const int64_t row_bytes = p.width * static_cast<int64_t>(sizeof(Out));
+  const bool streaming = cu[p.batch] * row_bytes >= cpu::kStreamingBytes;
+  at::parallel_for(0, cu[p.batch], grain_for(row_bytes), [&](int64_t begin, int64_t end) {
+    int64_t b = std::upper_bound(cu, cu + p.batch + 1, begin) - cu - 1;
+    for (int64_t r = begin; r < end; ++r) {
+      while (r >= cu[b + 1]) ++b;
+      const int64_t pos = (p.seq_starts ? p.seq_starts[b] : 0) + r - cu[b];
+      const int64_t block = p.block_table[b * p.block_table_stride + pos / cache.block_size];
+      const Cache* src = cache.row({block, pos % cache.block_size});
+      Out* dst = static_cast<Out*>(p.out) + r * p.out_stride;
+      if constexpr (std::is_same_v<Cache, Out>) {
+        cpu::copy_bytes(dst, src, row_bytes, streaming);
+      } else {
+        for (int32_t d = 0; d < p.width; ++d) dst[d] = Out(static_cast<float>(src[d]) * scale);
+      }
+    }
+    if (streaming) cpu::stream_fence();
+  });
+}
+
+template <typename Out>
+void gather_cache_out(const GatherCacheParams& p) {
+  switch (p.cache_dtype) {
+    case DType::kFp8E4M3: return gather_cache_typed<c10::Float8_e4m3fn, Out>(p);
+    case DType::kFp8E5M2: return gather_cache_typed<c10::Float8_e5m2, Out>(p);
+    default: return gather_cache_typed<Out, Out>(p);
+  }
+}
+
+void gather_cache(const GatherCacheParams& p, const at::Tensor&) {
+  if (p.batch == 0) return;
+  switch (p.out_dtype) {
+    case DType::kFloat32: return gather_cache_out<float>(p);
+    case DType::kFloat16: return gather_cache_out<c10::Half>(p);
+    case DType::kBFloat16: return gather_cache_out<c10::BFloat16>(p);
+    case DType::kFp8E4M3: return gather_cache_typed<c10::Float8_e4m3fn, c10::Float8_e4m3fn>(p);
+    case DType::kFp8E5M2: return gather_cache_typed<c10::Float8_e5m2, c10::Float8_e5m2>(p);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("reshape_and_cache", &reshape_and_cache_op<&reshape_and_cache>);
   m.impl("copy_blocks", &copy_blocks_op<&copy_blocks>);
   m.impl("swap_blocks", &swap_blocks_op<&swap_blocks>);
+  m.impl("concat_and_cache_mla", &concat_and_cache_mla_op<&concat_and_cache_mla>);
+  m.impl("gather_cache", &gather_cache_op<&gather_cache>);
 }
 
 }  // namespace pagedkv

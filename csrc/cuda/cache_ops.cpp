@@ -8,6 +8,7 @@
 
 #include "kernels/cache_launch.h"
 #include "ops/copy_blocks.h"
+#include "ops/mla_cache.h"
 #include "ops/reshape_and_cache.h"
 #include "ops/swap_blocks.h"
 
@@ -33,12 +34,24 @@ void swap_blocks(const SwapBlocksParams& p, const at::Tensor& src, const at::Ten
   C10_CUDA_CHECK(cuda::swap_blocks(p, kind, c10::cuda::getCurrentCUDAStream()));
 }
 
+void concat_and_cache_mla(const ConcatAndCacheMlaParams& p, const at::Tensor& kv_cache) {
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  C10_CUDA_CHECK(cuda::concat_and_cache_mla(p, c10::cuda::getCurrentCUDAStream()));
+}
+
+void gather_cache(const GatherCacheParams& p, const at::Tensor& kv_cache) {
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  C10_CUDA_CHECK(cuda::gather_cache(p, c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
   m.impl("reshape_and_cache", &reshape_and_cache_op<&reshape_and_cache>);
   m.impl("copy_blocks", &copy_blocks_op<&copy_blocks>);
   m.impl("swap_blocks", &swap_blocks_op<&swap_blocks>);
+  m.impl("concat_and_cache_mla", &concat_and_cache_mla_op<&concat_and_cache_mla>);
+  m.impl("gather_cache", &gather_cache_op<&gather_cache>);
 }
 
 }  // namespace pagedkv

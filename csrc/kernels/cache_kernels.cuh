@@ -1,10 +1,15 @@
 // Cache kernels: reshape_and_cache (write new K/V into their slots), copy_blocks (copy-on-write,
-// every layer in one launch) and swap_blocks (whole blocks between devices).
+// every layer in one launch), swap_blocks (whole blocks between devices), and the MLA cache's
+// concat_and_cache_mla (write latent rows) and gather_cache (read sequences' rows back).
 //
 // Include from exactly one translation unit per backend (csrc/cuda/cache_kernels.cu for nvcc,
 // csrc/simt_backend/cache_kernels.cpp for the emulator): it defines the launchers of cache_launch.h.
 #pragma once
 #include "kernels/compat.cuh"
+
+#include <algorithm>
+#include <type_traits>
+
 #include "kernels/cache_launch.h"
 #include "kernels/dtypes.cuh"
 #include "kernels/memory.cuh"
@@ -193,6 +198,116 @@ cudaError_t swap_blocks(const SwapBlocksParams& p, cudaMemcpyKind kind, cudaStre
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
+}
+
+// One thread block per token; threads stride over its row, kv_c then k_pe (a few hundred
+// elements: one pass of the block).
+// grid: (num_tokens), block: up to 512 threads.
+template <typename Src, typename Cache>
+__global__ void concat_and_cache_mla_kernel(const ConcatAndCacheMlaParams p) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = p.slot_mapping[token];
+  if (slot < 0) return;
+  const PagedKV<Cache> cache = p.cache.as<Cache>();
+  Cache* row = cache.row(cache.locate(slot));
+  float scale = 1.f;
+  if constexpr (is_fp8<Cache>::value) scale = *p.scale;
+  const Src* kv_c = static_cast<const Src*>(p.kv_c) + token * p.kv_c_stride;
+  const Src* k_pe = static_cast<const Src*>(p.k_pe) + token * p.k_pe_stride - p.kv_lora_rank;
+  const int width = p.kv_lora_rank + p.rope_dim;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) {
+    const Src x = load(i < p.kv_lora_rank ? kv_c + i : k_pe + i, "src");
+    if constexpr (is_fp8<Cache>::value) {
+      store(row + i, from_float<Cache>(to_float(x) / scale), "kv");
+    } else {
+      store(row + i, x, "kv");
+    }
+  }
+}
+
+template <typename Src>
+cudaError_t concat_and_cache_mla_src(const ConcatAndCacheMlaParams& p, cudaStream_t stream) {
+  return with_cache_type<Src>(p.cache_dtype, [&]<typename Cache>() {
+    auto kernel = concat_and_cache_mla_kernel<Src, Cache>;
+    PAGEDKV_LAUNCH(kernel, dim3(static_cast<unsigned>(p.num_tokens)),
+                   threads_for(p.kv_lora_rank + p.rope_dim), 0, stream)(p);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t concat_and_cache_mla(const ConcatAndCacheMlaParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  switch (p.src_dtype) {
+    case DType::kFloat32: return concat_and_cache_mla_src<float>(p, stream);
+    case DType::kFloat16: return concat_and_cache_mla_src<__half>(p, stream);
+    case DType::kBFloat16: return concat_and_cache_mla_src<__nv_bfloat16>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// Block (b, y) copies sequence b's rows held by its block-table entries y, y + gridDim.y, ...;
+// threads stride over those rows' elements. Out rows of the cache's type are copied as stored,
+// fp8 rows into a float out dequantized (x * scale).
+// grid: (batch, splits), block: up to 512 threads.
+template <typename Cache, typename Out>
+__global__ void gather_cache_kernel(const GatherCacheParams p) {
+  const int b = blockIdx.x;
+  const int32_t first = load(p.cu_seq_lens + b, "seq_lens");
+  const int32_t len = load(p.cu_seq_lens + b + 1, "seq_lens") - first;
+  if (len <= 0) return;
+  const int32_t start = p.seq_starts != nullptr ? load(p.seq_starts + b, "seq_lens") : 0;
+  const PagedKV<Cache> cache = p.cache.as<Cache>();
+  const int32_t block_size = cache.block_size;
+  float scale = 1.f;
+  if constexpr (!std::is_same_v<Cache, Out>) scale = *p.scale;
+  Out* out = static_cast<Out*>(p.out) + static_cast<int64_t>(first) * p.out_stride;
+  const int32_t* table = p.block_table + b * p.block_table_stride;
+  const int last_entry = (start + len - 1) / block_size;
+  for (int e = start / block_size + blockIdx.y; e <= last_entry; e += gridDim.y) {
+    const int64_t block = load(table + e, "block_table");
+    const int begin = max(e * block_size, start);
+    const int count = (min((e + 1) * block_size, start + len) - begin) * p.width;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+      const int pos = begin + i / p.width, d = i % p.width;
+      const Cache x = load(cache.row({block, pos - e * block_size}) + d, "kv");
+      Out* dst = out + static_cast<int64_t>(pos - start) * p.out_stride + d;
+      if constexpr (std::is_same_v<Cache, Out>) {
+        store(dst, x, "out");
+      } else {
+        store(dst, from_float<Out>(to_float(x) * scale), "out");
+      }
+    }
+  }
+}
+
+template <typename Cache, typename Out>
+cudaError_t gather_cache_typed(const GatherCacheParams& p, cudaStream_t stream) {
+  const unsigned splits = static_cast<unsigned>(std::min(p.max_blocks, 32));
+  const dim3 grid(static_cast<unsigned>(p.batch), splits);
+  auto kernel = gather_cache_kernel<Cache, Out>;
+  PAGEDKV_LAUNCH(kernel, grid, threads_for(static_cast<int64_t>(p.width) * p.cache.block_size), 0,
+                 stream)(p);
+  return cudaGetLastError();
+}
+
+// out's dtype is the cache's, or float for an fp8 cache (the ops' checks).
+template <typename Out>
+cudaError_t gather_cache_out(const GatherCacheParams& p, cudaStream_t stream) {
+  return with_cache_type<Out>(p.cache_dtype, [&]<typename Cache>() {
+    return gather_cache_typed<Cache, Out>(p, stream);
+  });
+}
+
+cudaError_t gather_cache(const GatherCacheParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.max_blocks == 0) return cudaSuccess;
+  switch (p.out_dtype) {
+    case DType::kFloat32: return gather_cache_out<float>(p, stream);
+    case DType::kFloat16: return gather_cache_out<__half>(p, stream);
+    case DType::kBFloat16: return gather_cache_out<__nv_bfloat16>(p, stream);
+    case DType::kFp8E4M3: return gather_cache_typed<fp8_e4m3, fp8_e4m3>(p, stream);
+    case DType::kFp8E5M2: return gather_cache_typed<fp8_e5m2, fp8_e5m2>(p, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace PAGEDKV_KERNEL_NS

@@ -11,7 +11,9 @@ namespace pagedkv {
 #define PAGEDKV_CACHE_LAUNCHERS                                                        \
   cudaError_t reshape_and_cache(const ReshapeAndCacheParams& p, cudaStream_t stream); \
   cudaError_t copy_blocks(const CopyBlocksParams& p, cudaStream_t stream);            \
-  cudaError_t swap_blocks(const SwapBlocksParams& p, cudaMemcpyKind kind, cudaStream_t stream);
+  cudaError_t swap_blocks(const SwapBlocksParams& p, cudaMemcpyKind kind, cudaStream_t stream); \
+  cudaError_t concat_and_cache_mla(const ConcatAndCacheMlaParams& p, cudaStream_t stream);    \
+  cudaError_t gather_cache(const GatherCacheParams& p, cudaStream_t stream);
 
 namespace cuda {
 PAGEDKV_CACHE_LAUNCHERS

@@ -24,6 +24,34 @@ struct ReshapeAndCacheParams {
   DType src_dtype, cache_dtype;
 };
 
+// An MLA (latent) cache is one row per token, [num_blocks, block_size, kv_lora_rank + rope_dim]:
+// a PagedKVView of one head (head stride 0).
+struct ConcatAndCacheMlaParams {
+  const void* kv_c;         // [num_tokens, kv_lora_rank], src_dtype
+  const void* k_pe;         // [num_tokens, rope_dim], src_dtype
+  int64_t kv_c_stride, k_pe_stride;  // token strides, in elements
+  PagedKVView cache;        // cache_dtype; row = [kv_c, k_pe]
+  const int64_t* slot_mapping;  // [num_tokens]; block_id * block_size + offset, < 0 = padding
+  const float* scale;       // [1], fp8 caches only (else nullptr): cache = sat(x / scale)
+  int64_t num_tokens;
+  int32_t kv_lora_rank, rope_dim;
+  DType src_dtype, cache_dtype;
+};
+
+struct GatherCacheParams {
+  PagedKVView cache;         // [num_blocks, block_size, width], cache_dtype
+  void* out;                 // [total_tokens, width], out_dtype
+  int64_t out_stride;        // token stride, in elements
+  const int32_t* block_table;  // [batch, max_blocks]
+  int64_t block_table_stride;
+  int32_t max_blocks;
+  const int32_t* cu_seq_lens;  // [batch + 1]: sequence b fills out rows [cu[b], cu[b + 1])
+  const int32_t* seq_starts;   // [batch], its first position (nullptr: 0)
+  const float* scale;        // [1]: fp8 cache into a float out (else nullptr: same dtypes)
+  int32_t batch, width;
+  DType cache_dtype, out_dtype;
+};
+
 // copy_blocks moves bytes, so its view of a cache is dtype-free: each layer's cache is a
 // PagedKV<char> of its pointer, the byte strides and block_size.
 constexpr int kMaxLayersPerLaunch = 128;

@@ -21,9 +21,11 @@ from pagedkv import _C  # noqa: F401  (registers torch.ops.pagedkv)
 __all__ = [
     "OPS",
     "arg_names",
+    "concat_and_cache_mla",
     "copy_blocks",
     "cpu_attention_kernel",
     "cpu_peak_gflops",
+    "gather_cache",
     "merge_attn_states",
     "paged_attention",
     "reshape_and_cache",
@@ -219,6 +221,70 @@ def merge_attn_states(
     )
 
 
+def concat_and_cache_mla(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """Writes the MLA latent of new tokens into their cache rows: ``[kv_c[i], k_pe[i]]``.
+
+    Parameters
+    ----------
+    kv_c : Tensor
+        ``[num_tokens, kv_lora_rank]`` (DeepSeek: 512), the compressed latent; float32 /
+        float16 / bfloat16, last dim contiguous.
+    k_pe : Tensor
+        ``[num_tokens, rope_dim]`` (DeepSeek: 64), the rotary key shared by the heads; kv_c's
+        dtype, last dim contiguous.
+    kv_cache : Tensor
+        ``[num_blocks, block_size, kv_lora_rank + rope_dim]``, last dim contiguous (any other
+        strides); kv_c's dtype, or fp8 (``float8_e4m3fn`` / ``float8_e5m2``) with ``scale``.
+    slot_mapping : Tensor
+        int64 ``[num_tokens]``: ``block_id * block_size + offset``; negative entries are padding.
+    scale : Tensor, optional
+        float32, one element, required with an fp8 cache: stored = saturate(x / scale).
+    """
+    torch.ops.pagedkv.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale)
+
+
+def gather_cache(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    seq_starts: torch.Tensor | None = None,
+) -> None:
+    """Reads sequences' MLA cache rows back into one dense tensor (the input of a
+    non-absorbed prefill over a cached prefix).
+
+    Sequence ``b`` fills rows ``cu_seq_lens[b] .. cu_seq_lens[b + 1] - 1`` of ``out`` with its
+    positions ``seq_starts[b] ..`` (default from 0) in order, read through ``block_table[b]``.
+
+    Parameters
+    ----------
+    kv_cache : Tensor
+        ``[num_blocks, block_size, width]``, last dim contiguous, as written by
+        :func:`concat_and_cache_mla`.
+    block_table : Tensor
+        int32 ``[batch, max_blocks]``; only the entries of the blocks read are read.
+    cu_seq_lens : Tensor
+        int32 ``[batch + 1]``, cumulative token counts from 0 to ``out.shape[0]``.
+    out : Tensor
+        ``[total_tokens, width]``, last dim contiguous; written. The cache's dtype (rows as
+        stored), or float32 / float16 / bfloat16 for an fp8 cache (dequantized with ``scale``).
+    scale : Tensor, optional
+        float32, one element: required to dequantize an fp8 cache into a float ``out``,
+        rejected otherwise.
+    seq_starts : Tensor, optional
+        int32 ``[batch]``, the first position of each sequence to read (chunked prefill over a
+        long prefix reads it a chunk at a time).
+    """
+    torch.ops.pagedkv.gather_cache(kv_cache, block_table, cu_seq_lens, out, scale, seq_starts)
+
+
 def cpu_attention_kernel(head_size: int = 128) -> str:
     """The CPU attention kernels the ops run on this processor for ``head_size``: ``"base"``,
     ``"avx2"``, ``"avx512"`` or ``"avx512bf16"`` (AVX-512 with AVX512_BF16: bfloat16 prefill on
@@ -246,7 +312,8 @@ def cpu_peak_gflops(kind: str = "fp32", seconds: float = 0.05) -> float:
     return torch.ops.pagedkv.cpu_peak_gflops(kind, seconds)
 
 
-OPS = ("reshape_and_cache", "copy_blocks", "swap_blocks", "paged_attention", "merge_attn_states")
+OPS = ("reshape_and_cache", "copy_blocks", "swap_blocks", "paged_attention", "merge_attn_states",
+       "concat_and_cache_mla", "gather_cache")
 """The tensor ops, whose schemas (csrc/schemas.h) are the one list of their arguments."""
 
 

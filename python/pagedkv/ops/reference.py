@@ -10,10 +10,13 @@ import torch
 
 __all__ = [
     "attention_logits",
+    "concat_and_cache_mla",
     "copy_blocks",
     "dequantize",
+    "gather_cache",
     "gather_kv",
     "merge_attn_states",
+    "mla_attention",
     "paged_attention",
     "quantize",
     "reshape_and_cache",
@@ -32,9 +35,9 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) ->
 
 
 def dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Cache elements as float32; fp8 multiplies by ``scale``."""
+    """Cache elements as float32 (float64 stays float64); fp8 multiplies by ``scale``."""
     if x.dtype not in FP8_DTYPES:
-        return x.float()
+        return x.to(torch.promote_types(x.dtype, torch.float32))
     return x.float() * scale.float()
 
 
@@ -206,3 +209,76 @@ def merge_attn_states(
     out.copy_(merged.to(out.dtype))
     if out_lse is not None:
         out_lse.copy_(lse)
+
+
+# -- MLA: one latent row per token ------------------------------------------------------------
+# An MLA cache is ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (DeepSeek: 512 + 64): the
+# compressed latent ``kv_c`` of each token, then its rotary key ``k_pe``, shared by every head.
+
+
+def concat_and_cache_mla(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """Writes ``[kv_c[i], k_pe[i]]`` (``[T, kv_lora_rank]``, ``[T, rope_dim]``) to the row of
+    slot ``slot_mapping[i]``; negative slots are skipped. fp8 caches store ``x / scale``."""
+    block_size = kv_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    rows = torch.cat([kv_c[keep], k_pe[keep]], dim=-1)
+    kv_cache[slots // block_size, slots % block_size] = quantize(rows, kv_cache.dtype, scale)
+
+
+def gather_cache(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    seq_starts: torch.Tensor | None = None,
+) -> None:
+    """Copies each sequence's cache rows, in order, into ``out [total_tokens, width]``.
+
+    Sequence ``b`` fills rows ``cu_seq_lens[b] .. cu_seq_lens[b + 1] - 1`` with its tokens
+    from position ``seq_starts[b]`` (default 0) on, read through ``block_table[b]``. An
+    ``out`` of the cache's dtype gets the rows as stored; another dtype gets them converted,
+    fp8 rows dequantized (``x * scale``).
+    """
+    block_size = kv_cache.shape[1]
+    cu = cu_seq_lens.tolist()
+    starts = [0] * (len(cu) - 1) if seq_starts is None else seq_starts.tolist()
+    for b, start in enumerate(starts):
+        positions = torch.arange(start, start + cu[b + 1] - cu[b], device=kv_cache.device)
+        blocks = block_table[b].to(kv_cache.device).long()[positions // block_size]
+        rows = kv_cache[blocks, positions % block_size]
+        out[cu[b]:cu[b + 1]] = rows if out.dtype == rows.dtype else dequantize(rows, scale)
+
+
+def mla_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    max_seq_len: int,
+    max_query_len: int,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+) -> None:
+    """Absorbed MLA: multi-query attention of ``query [T, H, kv_lora_rank + rope_dim]`` (the
+    latent query, ``W_UK``-absorbed, then its rotary part) over the latent rows of each
+    sequence. The key is the whole row, the value its first ``out.shape[-1]`` (kv_lora_rank)
+    elements: ``out [T, H, kv_lora_rank]``, still to be multiplied by ``W_UV``. Causal, decode
+    or varlen as :func:`paged_attention` (whose reference it is with one KV head)."""
+    keys = kv_cache.unsqueeze(1)  # [num_blocks, 1 head, block_size, width]
+    values = kv_cache[..., :out.shape[-1]].unsqueeze(1)
+    paged_attention(out, query, keys, values, block_tables, seq_lens, query_start_loc,
+                    max_seq_len, max_query_len, scale, None, -1, 0.0, kv_scale, kv_scale,
+                    lse_out, compute_dtype=compute_dtype)
