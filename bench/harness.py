@@ -82,11 +82,13 @@ def print_table(title: str, rows: list[Row], bandwidth: dict[str, float]) -> Non
     print(f"\n{title}  (bandwidth measured now: read {bandwidth['read']:.1f} GB/s, "
           f"copy {bandwidth['copy']:.1f} GB/s)")
     baseline_names = sorted({name for r in rows for name in r.baselines_ms})
-    header = f"{'op':<20}{'case':<34}{'ms':>9}{'GB/s':>8}{'of bw':>7}"
+    op_width = max([20, *(len(r.op) + 2 for r in rows)])
+    case_width = max([34, *(len(r.case) + 2 for r in rows)])
+    header = f"{'op':<{op_width}}{'case':<{case_width}}{'ms':>9}{'GB/s':>8}{'of bw':>7}"
     header += "".join(f"{'x vs ' + b:>18}" for b in baseline_names)
     print(header)
     for r in rows:
-        line = (f"{r.op:<20}{r.case:<34}{r.median_ms:>9.3f}{r.gbps:>8.1f}"
+        line = (f"{r.op:<{op_width}}{r.case:<{case_width}}{r.median_ms:>9.3f}{r.gbps:>8.1f}"
                 f"{r.fraction:>7.0%}")
         for b in baseline_names:
             ms = r.baselines_ms.get(b)

@@ -7,8 +7,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "cpu/stream_copy.h"
 #include "ops/copy_blocks.h"
@@ -171,6 +173,20 @@ void concat_and_cache_mla(const ConcatAndCacheMlaParams& p, const at::Tensor&) {
   }
 }
 
+// The float value of every fp8 bit pattern, computed once: the dequantizing gather's conversion
+// (c10's arithmetic one cost about 5 ns an element, 1.7 GB/s for a bf16 gather).
+template <typename Fp8>
+const std::array<float, 256>& fp8_values() {
+  static const std::array<float, 256> values = [] {
+    std::array<float, 256> v{};
+    for (int i = 0; i < 256; ++i) {
+      v[i] = static_cast<float>(Fp8(static_cast<uint8_t>(i), Fp8::from_bits()));
+    }
+    return v;
+  }();
+  return values;
+}
+
 // Out rows in parallel: row r is position seq_starts[b] + r - cu[b] of the sequence b whose
 // range [cu[b], cu[b + 1]) holds it. Rows of the cache's type are copied as stored, fp8 rows
 // into a float out dequantized.
@@ -192,7 +208,9 @@ void gather_cache_typed(const GatherCacheParams& p) {
       if constexpr (std::is_same_v<Cache, Out>) {
         cpu::copy_bytes(dst, src, row_bytes, streaming);
       } else {
-        for (int32_t d = 0; d < p.width; ++d) dst[d] = Out(static_cast<float>(src[d]) * scale);
+        const std::array<float, 256>& values = fp8_values<Cache>();
+        const uint8_t* raw = reinterpret_cast<const uint8_t*>(src);
+        for (int32_t d = 0; d < p.width; ++d) dst[d] = Out(values[raw[d]] * scale);
       }
     }
     if (streaming) cpu::stream_fence();

@@ -34,7 +34,9 @@ from pagedkv.cache import KVCacheSpec, PagedKVCache
 from pagedkv.errors import *  # noqa: F403
 from pagedkv.errors import __all__ as _error_names
 from pagedkv.ops import (
+    concat_and_cache_mla,
     copy_blocks,
+    gather_cache,
     merge_attn_states,
     paged_attention,
     reference,
@@ -53,8 +55,10 @@ __all__ = [
     "PagedKVCache",
     "PlanExecutor",
     "PrefixCache",
+    "concat_and_cache_mla",
     "copy_blocks",
     "cpu_cache_for",
+    "gather_cache",
     "merge_attn_states",
     "ops",
     "paged_attention",
