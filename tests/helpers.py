@@ -155,3 +155,25 @@ def tiny_hf_model(seed: int = 0, **overrides) -> torch.nn.Module:
     kwargs.update(overrides)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).eval()
+
+
+def generate_within_windows(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy outputs of ``engine`` (an ``LLMEngine``) per prompt, checking after every step
+    that a request which computed q tokens holds at most ``(q + W - 2) // block_size + 2``
+    blocks in a window-W group (the window plus a block when decoding).
+    ``engine.peak_window_blocks``: the most it saw."""
+    from pagedkv.serving.engine import SamplingParams
+
+    manager, size = engine.manager, engine.config.block_size
+    requests = [engine.add_request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    engine.peak_window_blocks = 0
+    while engine.has_unfinished():
+        engine.step()
+        for request_id, q in engine.last_batch:
+            if request_id in manager:
+                for group, window in enumerate(manager.group_windows):
+                    if window is not None:
+                        held = manager.num_held_blocks(request_id, group)
+                        assert held <= (q + window - 2) // size + 2, (request_id, group, held)
+                        engine.peak_window_blocks = max(engine.peak_window_blocks, held)
+    return [r.output_token_ids for r in requests]

@@ -19,7 +19,7 @@ from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedkv.serving.model import LlamaForCausalLM
 
-from helpers import one_thread, tiny_hf_model  # noqa: F401  (one_thread: autouse)
+from helpers import generate_within_windows, one_thread, tiny_hf_model  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 hf_engine = pytest.importorskip("pagedkv.integrations.hf_engine")
@@ -56,20 +56,9 @@ def case(request: pytest.FixtureRequest):
     return (lambda: make(seed)), expected
 
 
-def run(engine: LLMEngine, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    """Greedy outputs per prompt, checking after every step that a request which computed q
-    tokens holds at most ``(q + W - 2) // block_size + 2`` blocks in a window-W group."""
-    manager, size = engine.manager, engine.config.block_size
-    requests = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-        for request_id, q in engine.last_batch:
-            if request_id in manager:
-                for group, window in enumerate(manager.group_windows):
-                    if window is not None:
-                        held = manager.num_held_blocks(request_id, group)
-                        assert held <= (q + window - 2) // size + 2, (request_id, group, held)
-    return [r.output_token_ids for r in requests]
+def run(engine: LLMEngine) -> list[list[int]]:
+    """Greedy outputs per prompt, the window groups' blocks checked after every step."""
+    return generate_within_windows(engine, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("block_size", [4, 5])

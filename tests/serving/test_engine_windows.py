@@ -19,6 +19,8 @@ from pagedkv.serving.model import LlamaForCausalLM, ModelConfig
 transformers = pytest.importorskip("transformers")
 from test_model_hf import hf_greedy, one_thread  # noqa: E402, F401
 
+from helpers import generate_within_windows  # noqa: E402
+
 WINDOW = 16
 MAX_TOKENS = 24
 _lengths = torch.Generator().manual_seed(5)
@@ -55,22 +57,8 @@ def case(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, list[list[int
 
 
 def run(engine: LLMEngine) -> list[list[int]]:
-    """Greedy outputs per prompt, checking after every step that a request which computed q
-    tokens holds at most ``(q + W - 2) // block_size + 2`` blocks in a window-W group (the
-    window plus a block when decoding). ``engine.peak_window_blocks``: the most it saw."""
-    manager, size = engine.manager, engine.config.block_size
-    requests = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
-    engine.peak_window_blocks = 0
-    while engine.has_unfinished():
-        engine.step()
-        for request_id, q in engine.last_batch:
-            if request_id in manager:
-                for group, window in enumerate(manager.group_windows):
-                    if window is not None:
-                        held = manager.num_held_blocks(request_id, group)
-                        assert held <= (q + window - 2) // size + 2, (request_id, group, held)
-                        engine.peak_window_blocks = max(engine.peak_window_blocks, held)
-    return [r.output_token_ids for r in requests]
+    """Greedy outputs per prompt, the window groups' blocks checked after every step."""
+    return generate_within_windows(engine, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("block_size", [4, 8])
