@@ -147,3 +147,64 @@ def test_a_windowed_spec_pages_its_cache_by_group():
     fp8 = PagedKVCache(KVCacheSpec(6, 2, 8, 4, torch.float16, torch.float8_e4m3fn,
                                    sliding_windows=(4, None) * 3), 2)
     assert len(fp8.k_scales) == 6  # one scale per layer, not per tensor
+
+
+def test_latent_spec_counts_one_row_per_token_and_layer():
+    spec = KVCacheSpec(61, 1, 576, 64, torch.bfloat16, latent=True)
+    assert spec.bytes_per_token == 61 * 576 * 2
+    assert spec.bytes_per_block == spec.bytes_per_token * 64
+    assert spec.kv_cache_bytes(100, batch=3) == spec.bytes_per_token * 300
+    assert spec.block_shape == (64, 576)
+    gqa = KVCacheSpec(61, 1, 576, 64, torch.bfloat16)
+    assert gqa.bytes_per_token == 2 * spec.bytes_per_token
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_kv_heads=2), "num_kv_heads must be 1"),
+    (dict(head_size=21), "head_size must be even"),
+    (dict(sliding_windows=(None, 8)), "sliding_windows must be None"),
+    (dict(latent=1), "latent must be a bool"),
+])
+def test_latent_spec_rejects(kwargs, match):
+    args = dict(num_layers=2, num_kv_heads=1, head_size=20, block_size=4, latent=True) | kwargs
+    with pytest.raises(ValueError, match=match):
+        KVCacheSpec(**args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_latent_cache_copies_fills_and_swaps_whole_rows(dtype):
+    spec = KVCacheSpec(3, 1, 20, 4, torch.float32, dtype, latent=True)
+    device, host = PagedKVCache(spec, 7), PagedKVCache(spec, 5)
+    assert len(device.latent_caches) == 3 and not device.key_caches and not device.value_caches
+    assert device.latent(2).shape == (7, 4, 20) and device.latent(2).dtype == dtype
+    assert device.nbytes == 7 * spec.bytes_per_block
+    assert (device.k_scales is not None) == spec.is_fp8 and device.v_scales is None
+    gen = torch.Generator().manual_seed(3)
+    for cache in device.latent_caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen).to(dtype))
+    before = [c.clone() for c in device.latent_caches]
+    device.copy_blocks([(1, 6), (2, 3)])
+    for old, new in zip(before, device.latent_caches, strict=True):
+        expected = old.clone()
+        expected[6], expected[3] = old[1], old[2]
+        assert torch.equal(new.view(torch.uint8), expected.view(torch.uint8))
+    device.swap_to(host, [(6, 0), (0, 4)])
+    for src, dst in zip(device.latent_caches, host.latent_caches, strict=True):
+        assert torch.equal(dst[0].view(torch.uint8), src[6].view(torch.uint8))
+        assert torch.equal(dst[4].view(torch.uint8), src[0].view(torch.uint8))
+    device.fill_blocks([5])
+    for cache in device.latent_caches:
+        assert cache.float().isnan().flatten(1).all(dim=1).tolist() == [
+            False, False, False, False, False, True, False]
+
+
+def test_latent_cache_refuses_the_kv_accessors():
+    latent = PagedKVCache(KVCacheSpec(2, 1, 20, 4, torch.float16, latent=True), 3)
+    with pytest.raises(ValueError, match="latent"):
+        latent.layer(0)
+    with pytest.raises(ValueError, match="index must be <= 1"):
+        latent.latent(2)
+    with pytest.raises(ValueError, match="latent spec"):
+        PagedKVCache(KVCacheSpec(2, 1, 20, 4, torch.float16), 3).latent(0)
+    with pytest.raises(ValueError, match="combined_kv"):
+        PagedKVCache(KVCacheSpec(2, 1, 20, 4, torch.float16, latent=True), 3, combined_kv=True)

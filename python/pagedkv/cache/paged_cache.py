@@ -1,4 +1,4 @@
-"""PagedKVCache: per-layer K and V block tensors on one device."""
+"""PagedKVCache: per-layer K and V (or latent) block tensors on one device."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from pagedkv import checks, ops
 from pagedkv.cache.spec import KVCacheSpec
+from pagedkv.errors import InvalidArgumentError
 
 __all__ = ["PagedKVCache", "zeros_kv"]
 
@@ -66,6 +67,10 @@ class PagedKVCache:
 
     fp8 caches get ``k_scales``/``v_scales``: one float32 one-element tensor per layer, 1.0 by
     default; set them in place before writing.
+
+    A latent spec (``spec.latent``, MLA) has one ``[num_blocks, block_size, head_size]`` tensor
+    per layer, ``latent_caches`` (``latent(i)``), and no K and V lists; fp8 latents take
+    ``k_scales`` as their scales. Copies, swaps and fills move whole rows as for K and V.
     """
 
     def __init__(
@@ -83,8 +88,14 @@ class PagedKVCache:
         shape = (num_blocks, *spec.block_shape)
         self.key_caches: list[torch.Tensor] = []
         self.value_caches: list[torch.Tensor] = []
+        self.latent_caches: list[torch.Tensor] = []
         self._slots = [spec.page_slot(layer)[1] for layer in range(spec.num_layers)]
-        for _ in range(spec.page_layers):
+        if spec.latent:
+            if combined_kv:
+                raise InvalidArgumentError("combined_kv must be False for a latent cache")
+            self.latent_caches = [zeros_kv(shape, spec.kv_dtype, self.device, pin_memory=pin)
+                                  for _ in range(spec.num_layers)]
+        for _ in range(0 if spec.latent else spec.page_layers):
             if combined_kv:
                 kv = zeros_kv((num_blocks, 2, *spec.block_shape), spec.kv_dtype, self.device,
                               pin_memory=pin)
@@ -95,7 +106,7 @@ class PagedKVCache:
             self.key_caches.append(key)
             self.value_caches.append(value)
         self.k_scales = self._scales() if spec.is_fp8 else None
-        self.v_scales = self._scales() if spec.is_fp8 else None
+        self.v_scales = self._scales() if spec.is_fp8 and not spec.latent else None
 
     @classmethod
     def from_memory(
@@ -113,15 +124,38 @@ class PagedKVCache:
         """Bytes held by the K and V tensors (``num_blocks`` pages of ``spec.page_layers``)."""
         return self.num_blocks * self.spec.bytes_per_block
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every block tensor: K then V, or the latents."""
+        return [*self.key_caches, *self.value_caches, *self.latent_caches]
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(key_cache, value_cache)`` of one layer (its page slot's tensors)."""
+        if self.spec.latent:
+            raise InvalidArgumentError("a latent cache has no K and V: use latent(index)")
         slot = self._slots[index]
         return self.key_caches[slot], self.value_caches[slot]
 
+    def latent(self, index: int) -> torch.Tensor:
+        """The ``[num_blocks, block_size, head_size]`` latent cache of one layer (MLA)."""
+        if not self.spec.latent:
+            raise InvalidArgumentError("latent() needs a latent spec (KVCacheSpec.latent)")
+        checks.count(index, "index", self.spec.num_layers - 1)
+        return self.latent_caches[index]
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy block src to dst in every layer, K and V, with one ``pagedkv.ops.copy_blocks``."""
-        if pairs:
-            mapping = torch.tensor(pairs, dtype=torch.int64).to(self.device)
+        """Copy block src to dst in every layer, K and V, with one ``pagedkv.ops.copy_blocks``.
+        A latent row travels as two halves, one in each of the op's lists (one head each), so
+        that one launch copies every byte once."""
+        if not pairs:
+            return
+        mapping = torch.tensor(pairs, dtype=torch.int64).to(self.device)
+        if self.spec.latent:
+            rows = [cache.unsqueeze(1) for cache in self.latent_caches]
+            half = self.spec.head_size // 2
+            ops.copy_blocks([r[..., :half] for r in rows], [r[..., half:] for r in rows],
+                            mapping)
+        else:
             ops.copy_blocks(self.key_caches, self.value_caches, mapping)
 
     def fill_blocks(self, block_ids: Sequence[int]) -> None:
@@ -129,7 +163,7 @@ class PagedKVCache:
         if not block_ids:
             return
         index = torch.tensor(block_ids, dtype=torch.int64).to(self.device)
-        for cache in (*self.key_caches, *self.value_caches):
+        for cache in self.tensors:
             if self.spec.is_fp8:
                 cache.view(torch.uint8).index_fill_(0, index, _FP8_NAN_BITS)
             else:
@@ -141,6 +175,5 @@ class PagedKVCache:
         if not pairs:
             return
         mapping = torch.tensor(pairs, dtype=torch.int64)
-        for src_layer, dst_layer in zip(self.key_caches + self.value_caches,
-                                        dst.key_caches + dst.value_caches, strict=True):
+        for src_layer, dst_layer in zip(self.tensors, dst.tensors, strict=True):
             ops.swap_blocks(src_layer, dst_layer, mapping)

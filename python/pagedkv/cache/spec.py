@@ -61,7 +61,8 @@ def kv_cache_groups(windows: Sequence[int | None]) -> tuple[int, tuple[KVCacheGr
 class KVCacheSpec:
     """Shape and dtypes of a paged KV cache.
 
-    Per layer, K and V are each ``[num_blocks, num_kv_heads, block_size, head_size]``.
+    Per layer, K and V are each ``[num_blocks, num_kv_heads, block_size, head_size]``; a latent
+    (MLA) cache has one tensor per layer instead, ``[num_blocks, block_size, head_size]``.
 
     Args:
         num_layers: attention layers that own a KV cache.
@@ -75,11 +76,17 @@ class KVCacheSpec:
             tokens; None (the default) means every layer attends in full. Layers fall into
             ``kv_cache_groups``; a pool block is one page of ``page_layers`` layers
             (``bytes_per_block``), which a group's block tables use for its own layers.
+        latent: a multi-head latent attention (MLA) cache: one row of ``head_size`` elements per
+            token and layer (DeepSeek's ``kv_lora_rank + rope_dim``, 512 + 64), shared by every
+            query head, in place of K and V. ``num_kv_heads`` must be 1 and there are no
+            sliding windows.
 
     Example:
         >>> spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)
         >>> spec.bytes_per_token  # 2 (K and V) x 32 x 8 x 128 x 2 bytes
         131072
+        >>> KVCacheSpec(61, 1, 576, 64, torch.bfloat16, latent=True).bytes_per_token  # 61 x 576 x 2
+        70272
     """
 
     num_layers: int
@@ -89,11 +96,26 @@ class KVCacheSpec:
     dtype: torch.dtype = torch.float16
     cache_dtype: torch.dtype | None = None
     sliding_windows: tuple[int | None, ...] | None = None
+    latent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
             value = checks.positive(getattr(self, name), f"KVCacheSpec.{name}", checks.INT32_MAX)
             object.__setattr__(self, name, value)  # a numpy or 0-d tensor int as a Python int
+        if not isinstance(self.latent, bool):
+            raise InvalidArgumentError(
+                f"KVCacheSpec.latent must be a bool, got {type(self.latent).__name__}")
+        if self.latent and self.num_kv_heads != 1:
+            raise InvalidArgumentError(
+                f"KVCacheSpec.num_kv_heads must be 1 for a latent cache (one row per token, "
+                f"shared by every head), got {self.num_kv_heads}")
+        if self.latent and self.head_size % 2:
+            raise InvalidArgumentError(
+                f"KVCacheSpec.head_size must be even for a latent cache (its rows are copied "
+                f"as two halves), got {self.head_size}")
+        if self.latent and self.sliding_windows is not None:
+            raise InvalidArgumentError(
+                "KVCacheSpec.sliding_windows must be None for a latent cache")
         if self.sliding_windows is not None:
             windows = tuple(check_window(w, f"KVCacheSpec.sliding_windows[{i}]")
                             for i, w in enumerate(self.sliding_windows))
@@ -122,14 +144,24 @@ class KVCacheSpec:
         return torch.empty((), dtype=self.kv_dtype).element_size()
 
     @property
-    def block_shape(self) -> tuple[int, int, int]:
-        """``(num_kv_heads, block_size, head_size)``: one block of one layer's K (or V)."""
+    def block_shape(self) -> tuple[int, ...]:
+        """``(num_kv_heads, block_size, head_size)``: one block of one layer's K (or V);
+        ``(block_size, head_size)`` for a latent cache."""
+        if self.latent:
+            return (self.block_size, self.head_size)
         return (self.num_kv_heads, self.block_size, self.head_size)
 
     @property
+    def tensors_per_layer(self) -> int:
+        """Cache tensors of a layer: K and V (2), or the latent (1)."""
+        return 1 if self.latent else 2
+
+    @property
     def bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers (every layer attending in full)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.element_size
+        """Bytes of K and V (or the latent) for one token over all layers (every layer
+        attending in full)."""
+        return (self.tensors_per_layer * self.num_layers * self.num_kv_heads * self.head_size
+                * self.element_size)
 
     @property
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
@@ -156,10 +188,10 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one pool block, K and V: one page of ``page_layers`` layers (all layers
-        without sliding windows)."""
-        return (2 * self.page_layers * self.num_kv_heads * self.head_size * self.element_size
-                * self.block_size)
+        """Bytes of one pool block, K and V (or the latent): one page of ``page_layers`` layers
+        (all layers without sliding windows)."""
+        return (self.tensors_per_layer * self.page_layers * self.num_kv_heads * self.head_size
+                * self.element_size * self.block_size)
 
     def hybrid_kv_bytes(self, seq_len: int, batch: int = 1) -> int:
         """Bytes the hybrid manager holds for ``batch`` sequences of ``seq_len`` tokens while
@@ -168,7 +200,8 @@ class KVCacheSpec:
         return blocks * self.bytes_per_block * batch
 
     def kv_cache_bytes(self, seq_len: int, batch: int = 1) -> int:
-        """Contiguous cache bytes: 2 x layers x kv_heads x head_size x seq_len x batch x bytes."""
+        """Contiguous cache bytes: 2 (K and V; 1 latent) x layers x kv_heads x head_size x
+        seq_len x batch x bytes."""
         return self.bytes_per_token * seq_len * batch
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
