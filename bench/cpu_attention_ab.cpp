@@ -202,7 +202,7 @@ int main(int argc, char** argv) {
   if (prefill) p.query_start_loc = query_start.data();
   p.num_heads = kHeads;
   p.num_kv_heads = kv_heads;
-  p.head_size = kHeadSize;
+  p.head_size = p.head_size_v = kHeadSize;
   p.num_blocks = blocks;
   p.max_blocks_per_seq = blocks_per_seq;
   p.max_seq_len = context;
@@ -219,12 +219,12 @@ int main(int argc, char** argv) {
     const int tile = prefill ? std::max(1, rows[v] / group) : 1;
     for (int s = 0; s < seqs; ++s) {
       if (!prefill) {
-        items[v].push_back({s, 0, kv_heads, 0, 1, 0, context, -1});
+        items[v].push_back({s, 0, kv_heads, 0, group, 0, 1, 0, context, -1});
         continue;
       }
       const auto push = [&](int h, int q0) {
         const int count = std::min(tile, q_len - q0);
-        items[v].push_back({s, h, 1, q0, count, 0, context - q_len + q0 + count, -1});
+        items[v].push_back({s, h, 1, 0, group, q0, count, 0, context - q_len + q0 + count, -1});
       };
       if (v == 0 && std::getenv("AB_A_TILE_ORDER") != nullptr) {
         for (int q0 = 0; q0 < q_len; q0 += tile)

@@ -7,6 +7,7 @@
 
 #include "ops/copy_blocks.h"
 #include "ops/merge_attn_states.h"
+#include "ops/mla_attention.h"
 #include "ops/mla_cache.h"
 #include "ops/paged_attention.h"
 #include "ops/reshape_and_cache.h"
@@ -22,6 +23,7 @@ inline void define_schemas(torch::Library& m) {
   m.def(kMergeAttnStatesSchema);
   m.def(kConcatAndCacheMlaSchema);
   m.def(kGatherCacheSchema);
+  m.def(kMlaAttentionSchema);
 }
 
 }  // namespace pagedkv

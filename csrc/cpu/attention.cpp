@@ -10,12 +10,14 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <numeric>
 #include <cstring>
 #include <iterator>
 #include <vector>
 
 #include "cpu/attention_work.h"
 #include "ops/merge_attn_states.h"
+#include "ops/mla_attention.h"
 #include "ops/paged_attention.h"
 
 namespace pagedkv::cpu {
@@ -55,8 +57,8 @@ size_t widest_allowed() {
   return i;
 }
 
-// The kernels of the widest instruction set this processor has whose vectors divide head_size,
-// at most the one PAGEDKV_CPU_ISA names (tests, benchmarks).
+// The kernels of the widest instruction set this processor has whose vectors divide head_size
+// (K's and V's: pass their gcd), at most the one PAGEDKV_CPU_ISA names (tests, benchmarks).
 const AttentionKernels& select_kernels(int32_t head_size) {
   for (size_t i = widest_allowed(); i > 0; --i) {
     if (kIsas[i]->cpu_has() && head_size % kIsas[i]->lanes == 0) return *kIsas[i];
@@ -89,15 +91,21 @@ void for_each_tile_of(const PagedAttentionParams& p, int32_t s, int32_t q_tile, 
   }
 }
 
+// MLA (V narrower than K: one kv head of up to 128 query heads) cuts a group into head tiles
+// of at most kMaxRowsPerItem rows; other attention keeps whole groups.
+bool is_mla(const PagedAttentionParams& p) { return p.head_size_v != p.head_size; }
+
 Plan plan_work(const PagedAttentionParams& p, int threads) {
   const int32_t group = p.num_heads / p.num_kv_heads;
   const bool decode = p.query_start_loc == nullptr;
-  const int32_t heads_per_item = decode ? p.num_kv_heads : 1;
+  const int32_t heads_per_item = decode && !is_mla(p) ? p.num_kv_heads : 1;
+  const int32_t head_tiles = is_mla(p) ? (group + kMaxRowsPerItem - 1) / kMaxRowsPerItem : 1;
+  const int32_t tile_heads = (group + head_tiles - 1) / head_tiles;
   const int32_t q_tile =
-      decode ? 1 : std::max(1, std::min(kMaxRowsPerItem / group, p.max_query_len));
+      decode ? 1 : std::max(1, std::min(kMaxRowsPerItem / tile_heads, p.max_query_len));
   Plan plan;
-  plan.rows_per_item = heads_per_item * group * q_tile;
-  const int32_t head_items = p.num_kv_heads / heads_per_item;
+  plan.rows_per_item = heads_per_item * tile_heads * q_tile;
+  const int32_t head_items = p.num_kv_heads / heads_per_item * head_tiles;
   int64_t total_keys = 0;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     for_each_tile_of(p, s, q_tile, [&](const QueryTile& t) {
@@ -107,11 +115,14 @@ Plan plan_work(const PagedAttentionParams& p, int threads) {
   const int64_t target = std::max<int64_t>(1, int64_t{kItemsPerThread} * threads);
   int64_t part = std::max<int64_t>(kMinKeysPerItem, (total_keys + target - 1) / target);
   part = (part + kKeysPerChunk - 1) / kKeysPerChunk * kKeysPerChunk;
-  // Items in the order (sequence, kv head, query tile): the threads, taking them in turn, work
-  // on the tiles of one kv head together, so that its K/V rows (every tile reads a prefix of
-  // them) are read from L3 rather than memory.
+  // Items in the order (sequence, kv head, head tile, query tile): the threads, taking them in
+  // turn, work on the tiles of one kv head together, so that its K/V rows (every tile reads a
+  // prefix of them) are read from L3 rather than memory.
   for (int32_t s = 0; s < p.num_seqs; ++s) {
-    for (int32_t h = 0; h < p.num_kv_heads; h += heads_per_item) {
+    for (int32_t item_head = 0; item_head < head_items; ++item_head) {
+      const int32_t h = item_head / head_tiles * heads_per_item;
+      const int32_t q_head = item_head % head_tiles * tile_heads;
+      const int32_t q_heads = std::min(tile_heads, group - q_head);
       for_each_tile_of(p, s, q_tile, [&](const QueryTile& t) {
         const int64_t keys = t.key_end - t.key_begin;
         const int32_t parts =
@@ -121,7 +132,8 @@ Plan plan_work(const PagedAttentionParams& p, int threads) {
           const int32_t begin = static_cast<int32_t>(t.key_begin + j * part);
           const int32_t end = static_cast<int32_t>(std::min<int64_t>(t.key_end, begin + part));
           const int64_t slot = parts > 1 ? plan.num_slots++ : -1;
-          plan.items.push_back({s, h, heads_per_item, t.q_begin, t.q_count, begin, end, slot});
+          plan.items.push_back(
+              {s, h, heads_per_item, q_head, q_heads, t.q_begin, t.q_count, begin, end, slot});
         }
       });
     }
@@ -142,7 +154,7 @@ void run_dynamic(int64_t workers, int64_t n, F&& f) {
 
 void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   if (p.num_tokens == 0 || p.num_heads == 0) return;
-  const AttentionKernels& k = select_kernels(p.head_size);
+  const AttentionKernels& k = select_kernels(std::gcd(p.head_size, p.head_size_v));
   const int threads = at::get_num_threads();
   const Plan plan = plan_work(p, threads);
   const int64_t n = static_cast<int64_t>(plan.items.size());
@@ -153,7 +165,7 @@ void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   Partials partials{nullptr, nullptr, plan.rows_per_item};
   if (plan.num_slots > 0) {
     const int64_t rows = plan.num_slots * plan.rows_per_item;
-    partial_out = at::empty({rows * p.head_size}, scratch.options());
+    partial_out = at::empty({rows * p.head_size_v}, scratch.options());
     partial_lse = at::empty({rows}, scratch.options());
     partials.out = partial_out.data_ptr<float>();
     partials.lse = partial_lse.data_ptr<float>();
@@ -224,6 +236,7 @@ double peak_gflops(const char* kind_name, double seconds) {
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("paged_attention", &paged_attention_op<&paged_attention>);
   m.impl("merge_attn_states", &merge_attn_states_op<&merge_attn_states>);
+  m.impl("mla_attention", &mla_attention_op<&paged_attention>);
 }
 
 }  // namespace pagedkv::cpu

@@ -30,7 +30,7 @@ inline float merge_rows(const float* rows, int64_t row_stride, const float* lses
 inline void merge_partials(const PagedAttentionParams& p, const WorkItem* items,
                            const SplitGroup& group, const Partials& partials) {
   const ItemShape shape = item_shape(p, items[group.first]);
-  const int D = p.head_size;
+  const int D = p.head_size_v;
   const int64_t slot0 = items[group.first].slot;
   float merged[kMaxAttentionHeadSize];
   for (int r = 0; r < shape.rows; ++r) {

@@ -1,8 +1,9 @@
 // The CPU attention's unit of work and the per-ISA kernel table. Torch-free.
 //
-// A work item is one (sequence, kv heads, query tile, key range): its rows are, for each of its
-// kv heads, that head's query heads times the tile's query tokens, so every K/V element read
-// serves all of them. Decode items take all kv heads, so that each cache block (all heads of
+// A work item is one (sequence, kv heads, query heads, query tile, key range): its rows are, for
+// each of its kv heads, the item's query heads of that head's group times the tile's query
+// tokens, so every K/V element read serves all of them. A group too large for one item (MLA's
+// up to 128 heads over one latent) is cut into head tiles. Decode items take all kv heads, so that each cache block (all heads of
 // its tokens, contiguous) is read as one piece. A long key range is split into several items (split-K); each writes a
 // normalized partial output and its lse to a slot, and merge_partials combines the slots.
 #pragma once
@@ -17,19 +18,20 @@ namespace pagedkv::cpu {
 struct WorkItem {
   int32_t seq;
   int32_t kv_head, kv_heads;   // kv heads [kv_head, kv_head + kv_heads)
+  int32_t q_head, q_heads;     // query heads [q_head, q_head + q_heads) of each kv head's group
   int32_t q_begin, q_count;    // query tokens [q_begin, q_begin + q_count) of the sequence
   int32_t key_begin, key_end;  // key positions [key_begin, key_end)
   int64_t slot;                // partial slot, or -1: write out / lse_out directly
 };
 
-// Partial results of split items: slot s holds rows_per_slot rows of head_size floats.
+// Partial results of split items: slot s holds rows_per_slot rows of head_size_v floats.
 struct Partials {
-  float* out;   // [num_slots, rows_per_slot, head_size]
+  float* out;   // [num_slots, rows_per_slot, head_size_v]
   float* lse;   // [num_slots, rows_per_slot]
   int32_t rows_per_slot;
 };
 
-// A group of split items to merge: items [first, first + count) share seq, kv_head and queries.
+// A group of split items to merge: items [first, first + count) share seq, heads and queries.
 struct SplitGroup {
   int64_t first;
   int32_t count;
@@ -44,7 +46,8 @@ constexpr int kPrefillRowAlign = 48;
 constexpr int kPrefillRows = 96;
 constexpr int kPrefillKeys = 32;  // keys per tile of the prefill path (half past 256-byte rows)
 
-// Floats of per-thread scratch for items of at most max_rows rows (either path).
+// Floats of per-thread scratch for items of at most max_rows rows (either path); head_size is
+// the wider of K's and V's.
 inline int64_t scratch_floats(int64_t max_rows, int64_t head_size) {
   const int64_t rows = (max_rows + kPrefillRowAlign - 1) / kPrefillRowAlign * kPrefillRowAlign;
   const int64_t keys = std::max(kKeysPerChunk, kPrefillKeys);

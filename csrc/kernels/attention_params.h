@@ -29,7 +29,7 @@ constexpr int32_t kMaxAttentionHeadSize = 512;   // head sizes: multiples of 8 u
 constexpr int32_t kMaxAttentionBlockSize = 256;
 
 struct PagedAttentionParams {
-  void* out;                       // [num_tokens, num_heads, head_size], dtype
+  void* out;                       // [num_tokens, num_heads, head_size_v], dtype
   const void* query;               // [num_tokens, num_heads, head_size], dtype
   int64_t out_token_stride, out_head_stride;  // elements; head_size dim contiguous
   int64_t q_token_stride, q_head_stride;
@@ -47,6 +47,8 @@ struct PagedAttentionParams {
   const float* sinks;              // [num_heads] float32 logits, or nullptr
   int64_t num_tokens;
   int32_t num_seqs, num_heads, num_kv_heads, head_size;
+  int32_t head_size_v;             // of V and out: head_size, or fewer for MLA (V = the first
+                                   // head_size_v elements of the key row: value_cache aliases it)
   int32_t num_blocks, max_blocks_per_seq;
   int32_t max_seq_len, max_query_len;  // upper bounds of seq_lens and of the q_len_i
   int32_t sliding_window;          // > 0, or -1 = off

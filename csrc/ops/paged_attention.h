@@ -23,8 +23,8 @@ inline constexpr char kPagedAttentionSchema[] =
 // Index contents (lengths, query_start_loc, block ids), checked when readable for free.
 inline void check_attention_indices(const PagedAttentionParams& p, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens,
-                                    const c10::optional<at::Tensor>& query_start_loc) {
-  constexpr const char* op = "paged_attention";
+                                    const c10::optional<at::Tensor>& query_start_loc,
+                                    const char* op) {
   if (!index_checks_enabled(seq_lens)) return;
   const at::Tensor lens = seq_lens.cpu();
   const at::Tensor table = block_tables.cpu();
@@ -65,6 +65,45 @@ inline void check_attention_indices(const PagedAttentionParams& p, const at::Ten
   }
 }
 
+// The sequences' index tensors and bounds (shapes, dtypes, devices), set into p: block_tables,
+// seq_lens, query_start_loc, max_seq_len, max_query_len; p.num_tokens must be set. The contents
+// are checked after the caches (check_attention_indices).
+inline void set_attention_indices(PagedAttentionParams& p, const at::Tensor& query,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  const c10::optional<at::Tensor>& query_start_loc,
+                                  int64_t max_seq_len, int64_t max_query_len, const char* op) {
+  check_device(block_tables, query, op, "block_tables", "query");
+  check_index(block_tables, at::kInt, op, "block_tables");
+  check_dim(block_tables, 2, op, "block_tables", "[num_seqs, max_blocks_per_seq]");
+  const int64_t num_seqs = block_tables.size(0);
+  check_device(seq_lens, query, op, "seq_lens", "query");
+  check_index(seq_lens, at::kInt, op, "seq_lens");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs, op,
+              ": seq_lens must be [num_seqs] = [", num_seqs, "] (block_tables rows), got ",
+              seq_lens.sizes());
+  if (query_start_loc) {
+    check_device(*query_start_loc, query, op, "query_start_loc", "query");
+    check_index(*query_start_loc, at::kInt, op, "query_start_loc");
+    TORCH_CHECK(query_start_loc->dim() == 1 && query_start_loc->size(0) == num_seqs + 1, op,
+                ": query_start_loc must be [num_seqs + 1] = [", num_seqs + 1, "], got ",
+                query_start_loc->sizes());
+  } else {
+    TORCH_CHECK(p.num_tokens == num_seqs, op,
+                ": without query_start_loc (decode) query must have one token per sequence: ",
+                num_seqs, " sequences, got ", p.num_tokens, " tokens");
+  }
+  TORCH_CHECK(max_query_len >= 1 || p.num_tokens == 0, op, ": max_query_len must be >= 1, got ",
+              max_query_len);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.block_table_stride = block_tables.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc ? query_start_loc->data_ptr<int32_t>() : nullptr;
+  p.num_seqs = to_int32(num_seqs, op, "num_seqs");
+  p.max_blocks_per_seq = to_int32(block_tables.size(1), op, "max_blocks_per_seq");
+  p.max_seq_len = to_int32(max_seq_len, op, "max_seq_len");
+  p.max_query_len = to_int32(max_query_len, op, "max_query_len");
+}
+
 inline PagedAttentionParams paged_attention_params(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -99,28 +138,6 @@ inline PagedAttentionParams paged_attention_params(
   const float* k_scale_ptr = scale_ptr(k_scale, key_cache, op, "k_scale");
   const float* v_scale_ptr = scale_ptr(v_scale, key_cache, op, "v_scale");
 
-  check_device(block_tables, query, op, "block_tables", "query");
-  check_index(block_tables, at::kInt, op, "block_tables");
-  check_dim(block_tables, 2, op, "block_tables", "[num_seqs, max_blocks_per_seq]");
-  const int64_t num_seqs = block_tables.size(0);
-  check_device(seq_lens, query, op, "seq_lens", "query");
-  check_index(seq_lens, at::kInt, op, "seq_lens");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs, op,
-              ": seq_lens must be [num_seqs] = [", num_seqs, "] (block_tables rows), got ",
-              seq_lens.sizes());
-  if (query_start_loc) {
-    check_device(*query_start_loc, query, op, "query_start_loc", "query");
-    check_index(*query_start_loc, at::kInt, op, "query_start_loc");
-    TORCH_CHECK(query_start_loc->dim() == 1 && query_start_loc->size(0) == num_seqs + 1, op,
-                ": query_start_loc must be [num_seqs + 1] = [", num_seqs + 1, "], got ",
-                query_start_loc->sizes());
-  } else {
-    TORCH_CHECK(num_tokens == num_seqs, op,
-                ": without query_start_loc (decode) query must have one token per sequence: ",
-                num_seqs, " sequences, got ", num_tokens, " tokens");
-  }
-  TORCH_CHECK(max_query_len >= 1 || num_tokens == 0, op, ": max_query_len must be >= 1, got ",
-              max_query_len);
   TORCH_CHECK(sliding_window == -1 || sliding_window > 0, op,
               ": sliding_window must be -1 (off) or > 0, got ", sliding_window);
   TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
@@ -142,6 +159,9 @@ inline PagedAttentionParams paged_attention_params(
   }
 
   PagedAttentionParams p{};
+  p.num_tokens = num_tokens;
+  set_attention_indices(p, query, block_tables, seq_lens, query_start_loc, max_seq_len,
+                        max_query_len, op);
   p.out = out.data_ptr();
   p.query = query.data_ptr();
   p.out_token_stride = out.stride(0);
@@ -150,10 +170,6 @@ inline PagedAttentionParams paged_attention_params(
   p.q_head_stride = query.stride(1);
   p.key_cache = paged_kv_of(key_cache);
   p.value_cache = paged_kv_of(value_cache);
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.block_table_stride = block_tables.stride(0);
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.query_start_loc = query_start_loc ? query_start_loc->data_ptr<int32_t>() : nullptr;
   p.alibi_slopes = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
   p.k_scale = k_scale_ptr;
   p.v_scale = v_scale_ptr;
@@ -161,21 +177,17 @@ inline PagedAttentionParams paged_attention_params(
   p.lse_token_stride = lse_out ? lse_out->stride(0) : 0;
   p.lse_head_stride = lse_out ? lse_out->stride(1) : 0;
   p.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
-  p.num_tokens = num_tokens;
-  p.num_seqs = to_int32(num_seqs, op, "num_seqs");
   p.num_heads = to_int32(num_heads, op, "num_heads");
   p.num_kv_heads = to_int32(num_kv_heads, op, "num_kv_heads");
   p.head_size = static_cast<int32_t>(head_size);
+  p.head_size_v = p.head_size;
   p.num_blocks = to_int32(key_cache.size(0), op, "num_blocks");
-  p.max_blocks_per_seq = to_int32(block_tables.size(1), op, "max_blocks_per_seq");
-  p.max_seq_len = to_int32(max_seq_len, op, "max_seq_len");
-  p.max_query_len = to_int32(max_query_len, op, "max_query_len");
   p.sliding_window = static_cast<int32_t>(std::min<int64_t>(sliding_window, INT32_MAX));
   p.scale = static_cast<float>(scale);
   p.soft_cap = static_cast<float>(soft_cap);
   p.dtype = dtype;
   p.cache_dtype = cache_dtype;
-  check_attention_indices(p, block_tables, seq_lens, query_start_loc);
+  check_attention_indices(p, block_tables, seq_lens, query_start_loc, op);
   return p;
 }
 

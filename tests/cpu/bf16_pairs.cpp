@@ -207,7 +207,7 @@ int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label) {
   p.num_seqs = static_cast<int32_t>(c.seq_lens.size());
   p.num_heads = H;
   p.num_kv_heads = c.kv_heads;
-  p.head_size = D;
+  p.head_size = p.head_size_v = D;
   p.num_blocks = b.num_blocks;
   p.max_blocks_per_seq = b.max_blocks;
   p.max_seq_len = max_len;
@@ -226,7 +226,7 @@ int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label) {
       for (int q0 = 0; q0 < Q; q0 += tile) {
         const int count = std::min(tile, Q - q0), first = L - Q + q0;
         const int key_begin = c.window > 0 ? std::max(0, first - c.window + 1) : 0;
-        attend(p, cpu::WorkItem{s, h, 1, q0, count, key_begin, first + count, -1},
+        attend(p, cpu::WorkItem{s, h, 1, 0, group, q0, count, key_begin, first + count, -1},
                scratch.data(), partials);
       }
     }

@@ -27,6 +27,7 @@ __all__ = [
     "cpu_peak_gflops",
     "gather_cache",
     "merge_attn_states",
+    "mla_attention",
     "paged_attention",
     "reshape_and_cache",
     "swap_blocks",
@@ -285,6 +286,59 @@ def gather_cache(
     torch.ops.pagedkv.gather_cache(kv_cache, block_table, cu_seq_lens, out, scale, seq_starts)
 
 
+def mla_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    max_seq_len: int,
+    max_query_len: int,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+) -> None:
+    """Absorbed multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) over a paged latent cache.
+
+    With ``W_UK`` absorbed into the query, every head attends the same cached rows: the key is
+    the whole ``[kv_c, k_pe]`` row, the value its first ``kv_lora_rank`` elements, read from the
+    same row. Decode (one token per sequence), multi-token decode and varlen causal prefill over
+    a cached prefix, as :func:`paged_attention` with one KV head; the output still needs
+    ``W_UV``. Split-K partials are merged inside; ``lse_out`` composes with
+    :func:`merge_attn_states`.
+
+    Parameters
+    ----------
+    out : Tensor
+        ``[num_tokens, num_heads, kv_lora_rank]``, query's dtype, last dim contiguous; written.
+    query : Tensor
+        ``[num_tokens, num_heads, kv_lora_rank + rope_dim]`` (the absorbed ``q_nope`` then the
+        rotary ``q_pe``), float32, float16 or bfloat16, last dim contiguous. Its width, a
+        multiple of 8 up to 1024, must be the cache's.
+    kv_cache : Tensor
+        ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` as :func:`concat_and_cache_mla`
+        writes it: query's dtype, or fp8 with ``kv_scale``; block size 1 to 256.
+    block_tables : Tensor
+        int32 ``[num_seqs, max_blocks_per_seq]``; only the entries of blocks holding keys are read.
+    seq_lens : Tensor
+        int32 ``[num_seqs]``: keys of each sequence, its query tokens being the last of them.
+    query_start_loc : Tensor, optional
+        int32 ``[num_seqs + 1]`` cumulative query counts (varlen); None for decode.
+    max_seq_len, max_query_len : int
+        Upper bounds of ``seq_lens`` and of the per-sequence query counts.
+    scale : float
+        Softmax scale (DeepSeek's ``softmax_scale``, mscale included).
+    kv_scale : Tensor, optional
+        float32, one element: the fp8 cache's scale (required for fp8, rejected otherwise).
+    lse_out : Tensor, optional
+        float32 ``[num_tokens, num_heads]``: each row's log-sum-exp of its logits; written.
+    """
+    torch.ops.pagedkv.mla_attention(out, query, kv_cache, block_tables, seq_lens,
+                                    query_start_loc, max_seq_len, max_query_len, scale, kv_scale,
+                                    lse_out)
+
+
 def cpu_attention_kernel(head_size: int = 128) -> str:
     """The CPU attention kernels the ops run on this processor for ``head_size``: ``"base"``,
     ``"avx2"``, ``"avx512"`` or ``"avx512bf16"`` (AVX-512 with AVX512_BF16: bfloat16 prefill on
@@ -313,7 +367,7 @@ def cpu_peak_gflops(kind: str = "fp32", seconds: float = 0.05) -> float:
 
 
 OPS = ("reshape_and_cache", "copy_blocks", "swap_blocks", "paged_attention", "merge_attn_states",
-       "concat_and_cache_mla", "gather_cache")
+       "concat_and_cache_mla", "gather_cache", "mla_attention")
 """The tensor ops, whose schemas (csrc/schemas.h) are the one list of their arguments."""
 
 
