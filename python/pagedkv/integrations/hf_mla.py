@@ -60,11 +60,12 @@ def install_latent_attention(hf_model: nn.Module) -> None:
     (in place; once per module). Raises InvalidArgumentError, before changing anything, for a
     model with no such module or with an MLA module of another kind."""
     modules = [m for m in hf_model.modules() if hasattr(m, "kv_a_proj_with_mqa")]
+    served = [c.__name__ for c in LATENT_ATTENTION]
     others = sorted({type(m).__name__ for m in modules if not isinstance(m, LATENT_ATTENTION)})
     if others or not modules:
         raise InvalidArgumentError(
-            f"hf_model: latent attention of {others or 'no module'}; pagedkv serves "
-            f"{[c.__name__ for c in LATENT_ATTENTION]}")
+            f"hf_model: pagedkv serves the latent attention of {served}, the model has "
+            f"{others or 'no latent attention module'}")
     for module in modules:
         if getattr(module.forward, "func", None) is not _latent_forward:
             module.forward = functools.partial(_latent_forward, module, module.forward)
@@ -79,20 +80,28 @@ def _latent_forward(module: nn.Module, own_forward: Callable, hidden_states: tor
     step = kwargs.get(STEP_KWARG)
     if not hasattr(step, "_attend_latent"):
         return own_forward(hidden_states, position_embeddings, attention_mask, **kwargs)
-    x = hidden_states[0]
-    heads, nope, rope = module.num_heads, module.qk_nope_head_dim, module.qk_rope_head_dim
-    q = module.q_proj(x) if module.q_lora_rank is None else module.q_b_proj(
-        module.q_a_layernorm(module.q_a_proj(x)))
-    q_nope, q_pe = q.view(len(x), heads, -1).split([nope, rope], dim=-1)
-    kv_c, k_pe = module.kv_a_proj_with_mqa(x).split([module.kv_lora_rank, rope], dim=-1)
-    kv_c = module.kv_a_layernorm(kv_c)
-    q_pe, k_pe = _rotate(module, q_pe, k_pe, position_embeddings)
-    w_uk, w_uv = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1).split(
-        [nope, module.v_head_dim], dim=1)  # [H, nope, kv_lora_rank], [H, v_head_dim, ...]
+    q_nope, q_pe, kv_c, k_pe = _project(module, hidden_states[0], position_embeddings)
+    w_uk, w_uv = module.kv_b_proj.weight.view(module.num_heads, -1, module.kv_lora_rank).split(
+        [module.qk_nope_head_dim, module.v_head_dim], dim=1)  # [H, nope or v, kv_lora_rank]
     query = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
     out = step._attend_latent(module.layer_idx, query, kv_c, k_pe, module.scaling)
-    out = torch.einsum("thr,hvr->thv", out, w_uv).reshape(1, len(x), -1)
-    return module.o_proj(out), None
+    out = torch.einsum("thr,hvr->thv", out, w_uv).flatten(1)
+    return module.o_proj(out)[None], None
+
+
+def _project(module: nn.Module, x: torch.Tensor,
+             position_embeddings: tuple[torch.Tensor, torch.Tensor],
+             ) -> tuple[torch.Tensor, ...]:
+    """The module's query and latent of ``x [T, hidden]``: ``q_nope [T, H, qk_nope_head_dim]``,
+    rotated ``q_pe [T, H, rope]``, normed ``kv_c [T, kv_lora_rank]``, rotated ``k_pe [T, rope]``."""
+    rope = module.qk_rope_head_dim
+    q = module.q_proj(x) if module.q_lora_rank is None else module.q_b_proj(
+        module.q_a_layernorm(module.q_a_proj(x)))
+    q_nope, q_pe = q.view(len(x), module.num_heads, -1).split([module.qk_nope_head_dim, rope],
+                                                              dim=-1)
+    kv_c, k_pe = module.kv_a_proj_with_mqa(x).split([module.kv_lora_rank, rope], dim=-1)
+    q_pe, k_pe = _rotate(module, q_pe, k_pe, position_embeddings)
+    return q_nope, q_pe, module.kv_a_layernorm(kv_c), k_pe
 
 
 def _rotate(module: nn.Module, q_pe: torch.Tensor, k_pe: torch.Tensor,
