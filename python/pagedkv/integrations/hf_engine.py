@@ -16,6 +16,10 @@ window, soft cap and sinks (``hf_step.LayerOptions``). The engine's batch is one
 The per-layer windows come from the config (``hf_sliding_windows``): they decide which blocks
 the hybrid block manager frees, so a layer whose attention asks for another window than its
 config says is refused at its first step rather than read through freed blocks.
+
+A model with multi-head latent attention (``DeepseekV3ForCausalLM``: DeepSeek-V3/R1, Kimi-K2)
+gets a latent cache, one ``kv_lora_rank + rope_dim`` row per token and layer, and its attention
+modules' forward is taken over by ``hf_mla`` (absorbed MLA over the paged latents).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pagedkv.blocks.batch import BatchTensors
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.integrations import hf_mla
 from pagedkv.integrations.hf import ATTENTION, STEP_KWARG
 from pagedkv.integrations.hf_step import LayerOptions
 from pagedkv.serving.config import hf_sliding_windows
@@ -60,7 +65,8 @@ class TransformersForCausalLM(nn.Module):
     the engine's end of sequence, as in ``ModelConfig.from_hf``.
 
     Raises InvalidArgumentError for a model without a decoder config, with a bidirectional
-    config, or with layer types other than full and sliding attention.
+    config, with layer types other than full and sliding attention, or with latent attention
+    of another kind than ``hf_mla.LATENT_ATTENTION``.
     """
 
     kernels: Any = ops  # pagedkv.ops, or a torch.ops namespace with the same schemas
@@ -79,6 +85,9 @@ class TransformersForCausalLM(nn.Module):
             self.windows = hf_sliding_windows(text)
         except ValueError as error:
             raise InvalidArgumentError(f"hf_model: {error}") from None
+        self.latent = hf_mla.is_latent(text)
+        if self.latent:
+            hf_mla.install_latent_attention(hf_model)
         self.hf = hf_model.eval()
         self.hf.set_attn_implementation(ATTENTION)
         self.tp = TensorParallel()
@@ -87,16 +96,17 @@ class TransformersForCausalLM(nn.Module):
                                    getattr(text, "max_position_embeddings", None),
                                    eos[0] if isinstance(eos, list) else eos)
         self.num_layers = text.num_hidden_layers
-        self.num_kv_heads = text.num_key_value_heads or text.num_attention_heads
-        self.head_size = getattr(text, "head_dim", None) or (
-            text.hidden_size // text.num_attention_heads)
+        self.num_kv_heads = 1 if self.latent else (
+            text.num_key_value_heads or text.num_attention_heads)
+        self.head_size = hf_mla.latent_width(text) if self.latent else (
+            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype,
                       cache_dtype: torch.dtype | None = None) -> KVCacheSpec:
         """The spec of the model's KV cache: one layer per decoder layer, its window from the
-        config."""
+        config; a latent spec (one ``kv_lora_rank + rope_dim`` row a token) for MLA models."""
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_size, block_size, dtype,
-                           cache_dtype, self.windows)
+                           cache_dtype, self.windows, latent=self.latent)
 
     def use_kernels(self, kernels: Any) -> TransformersForCausalLM:
         """Run the cache ops from ``kernels``: ``pagedkv.ops`` (default) or a ``torch.ops``
@@ -151,3 +161,10 @@ class EngineStep:
             soft_cap=options.soft_cap, k_scale=k_scale, v_scale=v_scale, lse_out=None,
             sinks=options.sinks)
         return out[None]
+
+    def _attend_latent(self, layer: int, query: torch.Tensor, kv_c: torch.Tensor,
+                       k_pe: torch.Tensor, scale: float) -> torch.Tensor:
+        """MLA (``hf_mla``): write ``layer``'s latents, attend with the latent query; returns
+        ``[T, heads, kv_lora_rank]``."""
+        return hf_mla.write_and_attend(self.cache, self.batch, layer, query, kv_c, k_pe,
+                                       scale, self.model.kernels)
