@@ -41,7 +41,7 @@ VARIANTS = {
                q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
                v_head_dim=12, rope_interleave=True, rope_parameters=YARN),
     "q_proj": dict(num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=8,
-                   q_lora_rank=None, kv_lora_rank=28, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                   q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8,
                    v_head_dim=8, rope_interleave=False,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }

@@ -31,11 +31,11 @@ import torch
 from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
+from pagedkv import ops
 from pagedkv.blocks.batch import BatchTensors
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.integrations.hf import STEP_KWARG
-from pagedkv.ops import reference
 
 __all__ = ["LATENT_ATTENTION", "install_latent_attention", "is_latent", "latent_width",
            "write_and_attend"]
@@ -134,8 +134,10 @@ def write_and_attend(cache: PagedKVCache, batch: BatchTensors, layer: int, query
 def _latent_attention(out: torch.Tensor, query: torch.Tensor, latent: torch.Tensor,
                       batch: BatchTensors, scale: float, kv_scale: torch.Tensor | None) -> None:
     """The absorbed attention of ``query [T, H, width]`` over ``latent``'s rows into
-    ``out [T, H, kv_lora_rank]``: decode, or varlen causal prefill over cached rows."""
-    reference.mla_attention(
+    ``out [T, H, kv_lora_rank]``: decode, or varlen causal prefill over cached rows. Always
+    ``pagedkv.ops`` (the kernels of the tensors' device): the CUDA source has no MLA kernel
+    yet, so a simt run writes the cache with the CUDA source and attends on the CPU."""
+    ops.mla_attention(
         out, query, latent, batch.block_tables, batch.seq_lens,
         batch.query_start_loc if batch.max_query_len > 1 else None, batch.max_seq_len,
         batch.max_query_len, scale, kv_scale, None)
