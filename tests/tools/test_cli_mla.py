@@ -57,6 +57,8 @@ def test_size_json_of_every_mla_preset(capsys, name, layers, heads):
     assert mla["latent_bytes_per_token"] == data["bytes_per_token"]
     assert mla["mha_bytes_per_token"] == layers * heads * (192 + 128) * 2
     assert mla["mha_ratio"] == pytest.approx(heads * 320 / 576)
+    code, out, _ = run(capsys, "size", "--model", name, "--cache-dtype", "fp8")
+    assert code == 0 and "fp8 caches also hold one float32 scale per layer" in out
     fp8 = run_json(capsys, "size", "--model", name, "--cache-dtype", "fp8")
     assert fp8["bytes_per_token"] == layers * 576
     assert fp8["mla"]["mha_bytes_per_token"] == layers * heads * 320

@@ -309,7 +309,8 @@ def _size(args: argparse.Namespace) -> int:
         lines.append(f"tensor parallel over {args.tp} ranks: the figures are each rank's, with "
                      f"{held}; blocks are per rank")
     if spec.is_fp8:
-        lines.append("fp8 caches also hold one float32 k_scale and v_scale per layer")
+        lines.append("fp8 caches also hold one float32 "
+                     + ("scale" if spec.latent else "k_scale and v_scale") + " per layer")
     return _print(args, data, "\n".join(lines))
 
 
