@@ -15,7 +15,9 @@ from pagedkv.serving.engine import LLMEngine
 from pagedkv.serving.model import ModelConfig
 from pagedkv.serving.scheduler import EngineConfig, SamplingParams, StepShape
 from pagedkv.tools import sim
+from pagedkv.tools.costmodel import RooflineModel, get_device
 from pagedkv.tools.demo import random_model
+from pagedkv.tools.presets import get_model
 from pagedkv.tools.traces import Request, synthetic_trace
 
 
@@ -100,6 +102,22 @@ def test_one_request_alone_takes_the_cost_models_times():
     assert result.normalized_latency["mean"] == pytest.approx(result.duration / 5)
     assert result.throughput == pytest.approx(1 / result.duration)
     assert result.preemptions == 0 and result.preemption_seconds == 0
+
+
+def test_an_mla_request_takes_the_rooflines_times_of_its_latent_steps():
+    v3 = get_model("DeepSeek-V3")
+    cost = RooflineModel(v3, get_device("H200"), tp=8)
+    (result,) = sim.simulate([Request(0, 3000, 3)], cost, num_slots=4096, strategies=["paged"],
+                             max_len=4096).values()
+    prefill = cost.breakdown(StepShape.of([3000], [3000]))
+    assert prefill["compute_s"] > prefill["weights_s"] + prefill["kv_s"]
+    causal = 3000 * 3001 // 2  # absorbed: 61 layers x 128 heads x (2 x 576 + 2 x 512) a pair
+    lm_head = 2 * 129280 * 7168  # the last token only
+    assert cost.flops(StepShape.of([3000], [3000])) == (
+        3000 * v3.flops_per_token(lm_head=False) + lm_head + causal * 61 * 128 * 2176)
+    decodes = [cost.step_seconds(StepShape.of([n], [1])) for n in (3001, 3002)]
+    assert result.ttft["p50"] == pytest.approx(prefill["total_s"])
+    assert result.duration == pytest.approx(prefill["total_s"] + sum(decodes))
 
 
 def test_arrivals_wait_for_their_time_and_idle_gaps_are_skipped():

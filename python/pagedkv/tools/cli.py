@@ -5,6 +5,7 @@ Examples::
     pagedkv info
     pagedkv size --model llama-3-8b --seq-len 8192 --batch 16 --memory 80GiB
     pagedkv size --model gpt-oss-120b --seq-len 32768 --memory 80GiB
+    pagedkv size --model deepseek-v3 --seq-len 32768 --memory 80GiB
     pagedkv size --layers 32 --kv-heads 8 --head-size 128 --cache-dtype fp8 --json
     pagedkv simulate
     pagedkv simulate --sweep-rate --plot latency.png --json
@@ -33,7 +34,15 @@ from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.parallel import kv_heads_per_rank
 from pagedkv.tools import argtypes, cli_simulate, demo
-from pagedkv.tools.presets import DTYPES, MODELS, format_bytes, hybrid_report, size_report
+from pagedkv.tools.presets import (
+    DTYPES,
+    MODELS,
+    ModelPreset,
+    format_bytes,
+    hybrid_report,
+    size_report,
+)
+from pagedkv.tools.presets_mla import mla_report
 
 __all__ = ["main"]
 
@@ -127,7 +136,9 @@ def _info(args: argparse.Namespace) -> int:
 def _add_size(sub: argparse._SubParsersAction) -> None:
     p = _command(sub, "size", _size, "KV cache size of a model preset or given dimensions",
                  "KV cache size: kv_cache_bytes = 2 (K and V) x layers x kv_heads x head_size\n"
-                 "x seq_len x batch x bytes per element. Model presets: see --list-models.")
+                 "x seq_len x batch x bytes per element; an MLA preset's latent cache: layers x\n"
+                 "576 x seq_len x batch x bytes, beside its MHA form. Model presets: see "
+                 "--list-models.")
     p.add_argument("--model", type=argtypes.model_preset,
                    help="a preset (case-insensitive); see --list-models")
     p.add_argument("--list-models", action="store_true", help="list the presets and exit")
@@ -169,6 +180,9 @@ def _size_spec(args: argparse.Namespace) -> tuple[str, KVCacheSpec, int]:
     layers, kv_heads, head_size = (d if d is not None else p for d, p in
                                    zip(dims, defaults, strict=True))
     dtype = args.dtype or (preset.dtype if preset else "bf16")
+    latent = preset is not None and preset.mla is not None
+    if latent:
+        _check_latent_options(args, preset)
     try:
         if preset is not None and args.kv_heads is None:
             preset.check_tp(args.tp)
@@ -176,9 +190,40 @@ def _size_spec(args: argparse.Namespace) -> tuple[str, KVCacheSpec, int]:
     except InvalidArgumentError as e:
         args.parser.error(f"argument --tp: {e}")
     spec = KVCacheSpec(layers, rank_kv_heads, head_size, args.block_size, DTYPES[dtype],
-                       DTYPES[args.cache_dtype] if args.cache_dtype else None)
+                       DTYPES[args.cache_dtype] if args.cache_dtype else None, latent=latent)
     name = preset.name if preset else "custom"
     return name, spec, args.seq_len or (preset.max_len if preset else 4096)
+
+
+def _check_latent_options(args: argparse.Namespace, preset: ModelPreset) -> None:
+    """An MLA preset's cache is one latent row per token and layer: no heads, no windows."""
+    given = [name for name, value in (("--kv-heads", args.kv_heads),
+                                      ("--head-size", args.head_size),
+                                      ("--sliding-window", args.sliding_window)) if value]
+    if given:
+        args.parser.error(f"argument {given[0]}: {preset.name} caches one latent row of "
+                          f"{preset.head_size} per token and layer (MLA), shared by every head")
+
+
+def _shape_lines(name: str, spec: KVCacheSpec, dtype: str, per_token: int,
+                 mla: dict | None) -> list[str]:
+    """The cache's shape and its bytes per token (an MLA latent: and its MHA form's)."""
+    cache = f"cache {dtype} ({spec.element_size} B), blocks of {spec.block_size}"
+    if mla is None:
+        return [f"{name}: {spec.num_layers} layers x {spec.num_kv_heads} KV heads x head size "
+                f"{spec.head_size}, {cache}",
+                f"per token      {format_bytes(per_token):>10}   2 x {spec.num_layers} x "
+                f"{spec.num_kv_heads} x {spec.head_size} x {spec.element_size} B = "
+                f"{per_token:,} B"]
+    mha = mla["mha_bytes_per_token"]
+    return [f"{name}: {spec.num_layers} layers x one latent row of {spec.head_size} (MLA: "
+            f"kv_lora_rank {mla['kv_lora_rank']} + rope {mla['rope_dim']}, shared by "
+            f"{mla['num_heads']} heads), {cache}",
+            f"per token      {format_bytes(per_token):>10}   {spec.num_layers} x "
+            f"{spec.head_size} x {spec.element_size} B = {per_token:,} B",
+            f"MHA form       {format_bytes(mha):>10}   {spec.num_layers} x "
+            f"{mla['heads_per_rank']} heads x (K {mla['qk_head_dim']} + V {mla['v_head_dim']})"
+            f" x {spec.element_size} B = {mha:,} B: {mla['mha_ratio']:.1f}x the latent"]
 
 
 def _layer_windows(args: argparse.Namespace, num_layers: int) -> tuple[int | None, ...] | None:
@@ -237,15 +282,14 @@ def _size(args: argparse.Namespace) -> int:
     r = size_report(spec, seq_len, args.batch, memory)
     dtype = str(spec.kv_dtype).removeprefix("torch.")
     data = {"model": name, "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
-            "tp": args.tp,
+            "tp": args.tp, "latent": spec.latent,
             "head_size": spec.head_size, "cache_dtype": dtype, "element_size": spec.element_size,
             "block_size": spec.block_size, "seq_len": seq_len, "batch": args.batch, **r}
+    if spec.latent:
+        data["mla"] = mla_report(spec.num_layers, args.model.num_heads, args.model.mla,
+                                 spec.element_size, args.tp)
     lines = [
-        f"{name}: {spec.num_layers} layers x {spec.num_kv_heads} KV heads x head size "
-        f"{spec.head_size}, cache {dtype} ({spec.element_size} B), blocks of {spec.block_size}",
-        f"per token      {format_bytes(r['bytes_per_token']):>10}   2 x {spec.num_layers} x "
-        f"{spec.num_kv_heads} x {spec.head_size} x {spec.element_size} B = "
-        f"{r['bytes_per_token']:,} B",
+        *_shape_lines(name, spec, dtype, r["bytes_per_token"], data.get("mla")),
         f"per block      {format_bytes(r['bytes_per_block']):>10}   {spec.block_size} tokens",
         f"per sequence   {format_bytes(r['bytes_per_seq']):>10}   {seq_len:,} tokens, "
         f"{r['blocks_per_seq']:,} blocks",
@@ -260,10 +304,13 @@ def _size(args: argparse.Namespace) -> int:
         data["hybrid"] = hybrid_report(hybrid, seq_len, args.batch, memory)
         lines += _hybrid_lines(hybrid, data["hybrid"], seq_len, r.get("seqs_fit"))
     if args.tp > 1:
+        held = ("the whole latent on every rank" if spec.latent
+                else f"{spec.num_kv_heads} KV head(s) per rank")
         lines.append(f"tensor parallel over {args.tp} ranks: the figures are each rank's, with "
-                     f"{spec.num_kv_heads} KV head(s) per rank; blocks are per rank")
+                     f"{held}; blocks are per rank")
     if spec.is_fp8:
-        lines.append("fp8 caches also hold one float32 k_scale and v_scale per layer")
+        lines.append("fp8 caches also hold one float32 "
+                     + ("scale" if spec.latent else "k_scale and v_scale") + " per layer")
     return _print(args, data, "\n".join(lines))
 
 
@@ -279,15 +326,32 @@ def _list_models(args: argparse.Namespace) -> int:
     rows = [{"name": m.name, "num_layers": m.num_layers, "num_heads": m.num_heads,
              "num_kv_heads": m.num_kv_heads, "head_size": m.head_size, "max_len": m.max_len,
              "dtype": m.dtype, "bytes_per_token": m.spec().bytes_per_token,
-             "sliding_window": m.sliding_window, "full_every": m.full_every, "note": m.note}
+             "sliding_window": m.sliding_window, "full_every": m.full_every,
+             "latent": m.mla is not None, "mha_bytes_per_token": _mha_bytes(m), "note": m.note}
             for m in MODELS.values()]
     lines = [f"{'model':<16}{'layers':>7}{'heads':>6}{'kv':>4}{'head':>5}{'max_len':>9}"
              f"{'dtype':>6}{'per token':>11}{'window':>11}"]
     lines += [f"{r['name']:<16}{r['num_layers']:>7}{r['num_heads']:>6}{r['num_kv_heads']:>4}"
               f"{r['head_size']:>5}{r['max_len']:>9}{r['dtype']:>6}"
-              f"{format_bytes(r['bytes_per_token']):>11}{_window(r):>11}  {r['note']}".rstrip()
+              f"{format_bytes(r['bytes_per_token']):>11}{_window(r):>11}  {_note(r)}".rstrip()
               for r in rows]
     return _print(args, {"models": rows}, "\n".join(lines))
+
+
+def _mha_bytes(model: ModelPreset) -> int | None:
+    """An MLA preset's cache per token in the MHA form (None: not MLA)."""
+    if model.mla is None:
+        return None
+    element = model.spec().element_size
+    return mla_report(model.num_layers, model.num_heads, model.mla, element)["mha_bytes_per_token"]
+
+
+def _note(row: dict) -> str:
+    if not row["latent"]:
+        return row["note"]
+    mha = row["mha_bytes_per_token"]
+    return (f"MLA latent of {row['head_size']}; MHA form {format_bytes(mha)} "
+            f"({mha / row['bytes_per_token']:.1f}x); {row['note']}")
 
 
 # simulate, demo -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 from pagedkv.tools import argtypes, report, sim, traces
 from pagedkv.tools.costmodel import DEVICES, CostModel, RooflineModel, load_calibration
 from pagedkv.tools.presets import DTYPES, format_bytes
+from pagedkv.tools.presets_mla import mla_report
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
@@ -292,11 +293,14 @@ def _head(args: argparse.Namespace, job: _Job) -> list[str]:
 
 
 def _kv_per_token(args: argparse.Namespace) -> dict[str, object]:
-    """KV bytes per token (one device's) with every layer attending in full, and what the
-    hybrid manager holds per token of a request of ``--max-len`` tokens (None: no windows)."""
+    """KV bytes per token (one device's) with every layer attending in full, what the hybrid
+    manager holds per token of a request of ``--max-len`` tokens (None: no windows), and an MLA
+    latent beside its MHA form (None: not MLA)."""
     model, tp = args.model, args.tp
     full = model.spec(args.block_size, args.cache_dtype, tp)
-    data: dict[str, object] = {"full_bytes_per_token": full.bytes_per_token,
+    data: dict[str, object] = {"full_bytes_per_token": full.bytes_per_token, "mla": model.mla and
+                               mla_report(model.num_layers, model.num_heads, model.mla,
+                                          full.element_size, tp),
                                "hybrid_bytes_per_token": None, "at_tokens": args.max_len}
     if model.layer_windows is not None:
         hybrid = model.spec(args.block_size, args.cache_dtype, tp, hybrid=True)
@@ -305,6 +309,10 @@ def _kv_per_token(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _kv_text(kv: dict[str, object]) -> str:
+    if mla := kv["mla"]:
+        return (f"{format_bytes(kv['full_bytes_per_token'])} per token: one MLA latent row of "
+                f"{mla['latent_size']} a layer, read once for all heads (the MHA form: "
+                f"{format_bytes(mla['mha_bytes_per_token'])}, {mla['mha_ratio']:.1f}x)")
     full = f"{format_bytes(kv['full_bytes_per_token'])} per token with every layer in full"
     if kv["hybrid_bytes_per_token"] is None:
         return f"{full} (no sliding-window layers)"

@@ -157,7 +157,9 @@ class RooflineModel:
     memory = weights read once + K/V read (``kv_read`` tokens) + K/V written (``query_tokens``);
     compute = the layers' matmuls for every query token + the lm_head for each sequence's last
     token (``num_seqs``: the engine samples only there) + attention, 4 FLOPs per layer, head and
-    head dimension for each query-key pair (QK^T and PV);
+    head dimension for each query-key pair (QK^T and PV; ``ModelPreset.attention_flops_per_key``);
+    an MLA model attends in the absorbed form: heads x (2 x 576 + 2 x 512) FLOPs per layer and
+    pair, its K/V bytes one latent row per token and layer, read once for all heads;
     swap = ``swap_blocks`` blocks over PCIe before the step;
     allreduce = with ``tp`` > 1, two all-reduces per layer (after o_proj and down_proj) of the
     query tokens' hidden states, a ring moving 2 (tp - 1) / tp of their bytes over NVLink.
@@ -165,9 +167,9 @@ class RooflineModel:
     ``step_seconds = max(memory, compute) + swap + allreduce + overhead`` (the all-reduces wait for
     the matmul before them, so they do not overlap). With ``tp`` devices each holds and moves 1/tp
     of the weights and the FLOPs, and its share of the KV heads (one replicated head each when
-    there are fewer KV heads than devices). Mixtures of experts read only the experts a step's
-    tokens are routed to: the expected share under uniform routing,
-    ``1 - (1 - active/experts)^query_tokens``.
+    there are fewer KV heads than devices; an MLA latent on every device). Mixtures of experts read
+    only the routed experts a step's tokens are sent to: the expected share under uniform routing,
+    ``1 - (1 - active/experts)^query_tokens`` (shared experts and dense layers: all of them).
     """
 
     def __init__(self, model: ModelPreset, device: DevicePreset, cache_dtype: str | None = None,
@@ -179,13 +181,11 @@ class RooflineModel:
         self.spec = model.spec(block_size, cache_dtype)
         self.rank_spec = model.spec(block_size, cache_dtype, tp)
         self.weight_bytes = model.weight_bytes()
-        element = self.weight_bytes // model.num_params
-        moe = model.num_layers * model.num_experts * model.expert_params if (
-            model.num_experts > 1) else 0
-        self._dense_bytes, self._moe_bytes = self.weight_bytes - moe * element, moe * element
+        moe = model.routed_expert_params * self.weight_bytes // model.num_params
+        self._dense_bytes, self._moe_bytes = self.weight_bytes - moe, moe
         self._layer_flops = model.flops_per_token(lm_head=False)
         self._lm_head_flops = model.flops_per_token() - self._layer_flops
-        self._attention_flops = 4 * model.num_layers * model.num_heads * model.head_size
+        self._attention_flops = model.attention_flops_per_key
         self._bandwidth = device.memory_bandwidth * device.bandwidth_efficiency * tp
         self._flops = device.bf16_flops * device.flops_efficiency * tp
         self._pcie = device.pcie_bandwidth * device.pcie_efficiency * tp
@@ -194,8 +194,8 @@ class RooflineModel:
             if not (device.nvlink_bandwidth and model.hidden_size):
                 raise ValueError(f"tp {tp}: needs the NVLink bandwidth of {device.name} and the "
                                  f"hidden_size of {model.name}")
-            self._allreduce_bytes = (2 * model.num_layers * model.hidden_size * element
-                                     * 2 * (tp - 1) / tp)
+            self._allreduce_bytes = (2 * model.num_layers * model.hidden_size
+                                     * model.activation_size * 2 * (tp - 1) / tp)
             self._nvlink = device.nvlink_bandwidth * device.bandwidth_efficiency
 
     def weights_read(self, query_tokens: int) -> float:

@@ -5,7 +5,8 @@ The dimensions are those of each model's Hugging Face ``config.json``: ``num_hid
 ``hidden_size / num_attention_heads``), ``max_position_embeddings`` and ``torch_dtype``; the
 windowed layers those of ``sliding_window`` with ``layer_types`` as transformers derives it
 (gpt-oss and Gemma 2: every other layer windowed, from the first; Gemma 3: five of every six,
-``sliding_window_pattern`` 6; Mistral 7B v0.1: every layer).
+``sliding_window_pattern`` 6; Mistral 7B v0.1: every layer). The multi-head latent attention
+(MLA) presets come from their configs' own keys (``pagedkv.tools.presets_mla``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.parallel import kv_heads_per_rank
+from pagedkv.tools.presets_mla import DEEPSEEK_V2_LITE, DEEPSEEK_V3, KIMI_K2, MLAShape
+from pagedkv.tools.presets_mla import mla_preset_fields as _mla
 
 __all__ = ["DTYPES", "MODELS", "ModelPreset", "format_bytes", "get_model", "hybrid_report",
            "parse_bytes", "size_report"]
@@ -38,11 +41,16 @@ class ModelPreset:
 
     ``hidden_size``, ``intermediate_size`` and ``vocab_size`` are 0 for a preset that only
     describes a KV cache; the parameter counts then raise ValueError. The counts cover the
-    matrices (embeddings, attention q/k/v/o under GQA, the MLP, lm_head unless tied, MoE routers);
-    norms, biases and learned position embeddings (under 0.1% of every preset here) are left out.
-    ``gated_mlp``: three MLP matrices (gate, up, down: SwiGLU/GeGLU) or two (up, down: OPT's
-    ReLU MLP). Mixture-of-experts presets hold ``num_experts`` MLPs per layer, of which
-    ``num_active_experts`` run for each token. ``sliding_window`` (0: none) is the window of
+    matrices (embeddings, attention q/k/v/o under GQA or MLA's projections, the MLP, lm_head
+    unless tied, MoE routers); norms, biases and learned position embeddings (under 0.1% of every
+    preset here) are left out. ``gated_mlp``: three MLP matrices (gate, up, down: SwiGLU/GeGLU)
+    or two (up, down: OPT's ReLU MLP). Mixture-of-experts presets hold ``num_experts`` routed
+    MLPs (of ``moe_intermediate_size``, default ``intermediate_size``) per layer, of which
+    ``num_active_experts`` run for each token, plus ``num_shared_experts`` that every token runs;
+    the first ``first_dense_layers`` layers hold one MLP of ``intermediate_size`` instead.
+    ``weight_dtype``: the dtype the weights ship in, when not ``dtype`` (DeepSeek-V3's fp8).
+    ``mla``: multi-head latent attention; the cache is then one latent row per token and layer,
+    ``num_kv_heads`` 1 and ``head_size`` its width. ``sliding_window`` (0: none) is the window of
     the windowed layers: all of them when ``full_every`` is 0, else all but every
     ``full_every``-th (layers ``full_every - 1``, ``2 * full_every - 1``, ... attend in full).
     """
@@ -64,6 +72,20 @@ class ModelPreset:
     num_active_experts: int = 1
     sliding_window: int = 0
     full_every: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0
+    weight_dtype: str | None = None
+    mla: MLAShape | None = None
+
+    def __post_init__(self) -> None:
+        if self.mla is not None and (self.num_kv_heads, self.head_size) != (
+                1, self.mla.latent_size):
+            raise ValueError(f"preset {self.name}: an MLA cache is one head of "
+                             f"{self.mla.latent_size}, got {self.num_kv_heads} x {self.head_size}")
+        if not 0 <= self.first_dense_layers <= self.num_layers:
+            raise ValueError(f"preset {self.name}: first_dense_layers must be in [0, "
+                             f"{self.num_layers}], got {self.first_dense_layers}")
 
     @property
     def layer_windows(self) -> tuple[int | None, ...] | None:
@@ -78,11 +100,11 @@ class ModelPreset:
              hybrid: bool = False) -> KVCacheSpec:
         """The KVCacheSpec of this model's cache (of one of ``tp`` tensor-parallel ranks):
         every layer attending in full, or with ``hybrid`` its layers' windows (KV cache groups
-        paged as the hybrid manager pages them)."""
+        paged as the hybrid manager pages them). An MLA latent is the same on every rank."""
         kv = DTYPES[cache_dtype] if cache_dtype else None
         return KVCacheSpec(self.num_layers, kv_heads_per_rank(self.num_kv_heads, tp),
                            self.head_size, block_size, DTYPES[self.dtype], kv,
-                           self.layer_windows if hybrid else None)
+                           self.layer_windows if hybrid else None, latent=self.mla is not None)
 
     def check_tp(self, tp: int) -> None:
         """Raises InvalidArgumentError unless the heads split over ``tp`` ranks."""
@@ -105,38 +127,69 @@ class ModelPreset:
 
     @property
     def attention_params(self) -> int:
-        """q, k, v and o projections of one layer; k and v have ``num_kv_heads`` heads (GQA)."""
+        """q, k, v and o projections of one layer; k and v have ``num_kv_heads`` heads (GQA).
+        MLA: q_a and q_b (or q_proj), kv_a_proj_with_mqa, kv_b_proj and o_proj."""
         self._require_dims()
+        if self.mla is not None:
+            return self.mla.projection_params(self.hidden_size, self.num_heads)
         q_dim, kv_dim = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         return 2 * self.hidden_size * q_dim + 2 * self.hidden_size * kv_dim
+
+    @property
+    def attention_flops_per_key(self) -> int:
+        """Attention FLOPs of one query-key pair over all layers: 4 x heads x head_size a layer
+        (QK^T and PV); MLA's absorbed form: heads x (2 x 576 + 2 x 512) a layer
+        (``MLAShape.absorbed_flops_per_key``)."""
+        if self.mla is not None:
+            return self.num_layers * self.mla.absorbed_flops_per_key(self.num_heads)
+        return 4 * self.num_layers * self.num_heads * self.head_size
 
     @property
     def expert_params(self) -> int:
         """One MLP (one expert of a mixture) of one layer."""
         self._require_dims()
-        return (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
+        width = self.moe_intermediate_size or self.intermediate_size
+        return (3 if self.gated_mlp else 2) * self.hidden_size * width
 
-    def _layer_params(self, experts: int) -> int:
-        router = self.hidden_size * self.num_experts if self.num_experts > 1 else 0
-        return self.attention_params + experts * self.expert_params + router
+    @property
+    def moe_layers(self) -> int:
+        """Layers holding a mixture of experts: all but the first dense ones (0 when dense)."""
+        return self.num_layers - self.first_dense_layers if self.num_experts > 1 else 0
+
+    @property
+    def routed_expert_params(self) -> int:
+        """Every routed expert of every layer: the weights a step reads only where routed."""
+        return self.moe_layers * self.num_experts * self.expert_params
+
+    def _matmul_params(self, experts: int) -> int:
+        """All layers' matrices with ``experts`` routed experts in each mixture."""
+        dense = (self.num_layers - self.moe_layers) * (3 if self.gated_mlp else 2) * (
+            self.hidden_size * self.intermediate_size)
+        moe = self.moe_layers * ((experts + self.num_shared_experts) * self.expert_params
+                                 + self.hidden_size * self.num_experts)  # the router
+        return self.num_layers * self.attention_params + dense + moe
 
     @property
     def num_params(self) -> int:
         """All parameters (every expert of a mixture): what the weights take in memory."""
         lm_head = 0 if self.tied_embeddings else self.embedding_params
-        return (self.embedding_params + lm_head
-                + self.num_layers * self._layer_params(self.num_experts))
+        return self.embedding_params + lm_head + self._matmul_params(self.num_experts)
 
     @property
     def active_params(self) -> int:
-        """The parameters one token uses: the active experts only (= ``num_params`` if dense)."""
+        """The parameters one token uses: the active and shared experts only (= ``num_params``
+        if dense)."""
         lm_head = 0 if self.tied_embeddings else self.embedding_params
-        return (self.embedding_params + lm_head
-                + self.num_layers * self._layer_params(self.num_active_experts))
+        return self.embedding_params + lm_head + self._matmul_params(self.num_active_experts)
+
+    @property
+    def activation_size(self) -> int:
+        """Bytes of one element of ``dtype`` (hidden states, what the all-reduces move)."""
+        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
 
     def weight_bytes(self, dtype: str | None = None) -> int:
-        """Bytes of all the weights in ``dtype`` (default: the preset's)."""
-        dtype = dtype or self.dtype
+        """Bytes of all the weights in ``dtype`` (default: ``weight_dtype``, else ``dtype``)."""
+        dtype = dtype or self.weight_dtype or self.dtype
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         return self.num_params * torch.empty((), dtype=DTYPES[dtype]).element_size()
@@ -145,8 +198,10 @@ class ModelPreset:
         """2 x the matmul parameters one token goes through (a multiply and an add each):
         every layer's attention projections and active experts (with the router), plus the
         lm_head when ``lm_head``. The embedding lookup is not a matmul and the attention
-        scores depend on the context, so neither is counted here."""
-        params = self.num_layers * self._layer_params(self.num_active_experts)
+        scores depend on the context (``attention_flops_per_key``), so neither is counted
+        here. MLA's absorbed form applies kv_b_proj's halves to the query and the output, once
+        a token: its parameters count like the others."""
+        params = self._matmul_params(self.num_active_experts)
         return 2 * (params + (self.embedding_params if lm_head else 0))
 
 
@@ -155,6 +210,8 @@ _MISTRAL_7B = {"hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 32
 _GPT_OSS = {"hidden_size": 2880, "intermediate_size": 2880, "vocab_size": 201088,
             "num_active_experts": 4, "sliding_window": 128, "full_every": 2}
 _GPT_OSS_NOTE = "MoE weights ship in MXFP4 (sizes here count bf16); attention sinks"
+_V3_NOTE = ("256 routed experts, 8 active, 1 shared; weights in fp8 (block scales); the MTP "
+            "layer is not counted")
 
 MODELS: dict[str, ModelPreset] = {m.name.lower(): m for m in [
     ModelPreset("Llama-3-8B", 32, 32, 8, 128, 8192, **_LLAMA3_8B),
@@ -192,6 +249,13 @@ MODELS: dict[str, ModelPreset] = {m.name.lower(): m for m in [
                 "the vLLM paper's model: 800 KB/token; ReLU MLP (2 matrices)", hidden_size=5120,
                 intermediate_size=20480, vocab_size=50272, tied_embeddings=True,
                 gated_mlp=False),
+    ModelPreset("DeepSeek-V2-Lite", **_mla(DEEPSEEK_V2_LITE),
+                note="q_proj (no q LoRA); 64 routed experts, 6 active, 2 shared"),
+    ModelPreset("DeepSeek-V3", **_mla(DEEPSEEK_V3), weight_dtype="fp8", note=_V3_NOTE),
+    ModelPreset("DeepSeek-R1", **_mla(DEEPSEEK_V3), weight_dtype="fp8",
+                note="DeepSeek-V3's architecture and config"),
+    ModelPreset("Kimi-K2", **_mla(KIMI_K2), weight_dtype="fp8",
+                note="Kimi-K2-Instruct; 384 routed experts, 8 active, 1 shared; fp8 weights"),
 ]}
 
 
