@@ -39,9 +39,10 @@ struct SplitGroup {
 
 constexpr int kKeysPerChunk = 32;  // keys gathered, converted and processed together
 
-// Varlen items of many rows take the prefill path (small GEMMs over tiles of query rows x
-// keys), whose rows are padded to a multiple of 24 (AVX2, the baseline) or 48 (AVX-512), which
-// divide kPrefillRowAlign. The planner makes varlen items of up to kPrefillRows rows.
+// Varlen items of many rows (and every MLA item) take the prefill path (small GEMMs over tiles
+// of query rows x keys), whose rows are padded to a multiple of the vector width (8 floats on
+// AVX2, 16 on AVX-512), in blocks of 24 or 48 rows, which divide kPrefillRowAlign. The planner
+// makes varlen items of up to kPrefillRows rows.
 constexpr int kPrefillRowAlign = 48;
 constexpr int kPrefillRows = 96;
 constexpr int kPrefillKeys = 32;  // keys per tile of the prefill path (half past 256-byte rows)
