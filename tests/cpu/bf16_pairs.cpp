@@ -9,8 +9,9 @@
 // Each set is compiled twice, float path and pair path (bf16_pairs_set.cpp, one unit per set),
 // and both are checked on the same batch:
 // odd sequence and query lengths, shuffled block tables, block sizes 7, 16 and 32, head sizes
-// 64, 72, 128 and 256, GQA 1, 4 and 8, sliding window, soft cap and ALiBi; outputs poisoned with
-// NaN before the run.
+// 64, 72, 128 and 256, GQA 1, 4 and 8, sliding window, soft cap and ALiBi, and an MLA case (one
+// latent of 576 per token: K the whole row, V its first 512 elements, read from the same
+// cache); outputs poisoned with NaN before the run.
 //
 // Bound per output element (row r, column d), with p_t the reference probabilities and
 // B = sum_t p_t |v_t[d]|: the float path is within 2^-8 |ref| (rounding the output to bfloat16)
@@ -81,6 +82,10 @@ struct Case {
   int window = -1;
   float soft_cap = 0.f;
   bool alibi = false;
+  int head_size_v = 0;  // of V and out: 0 = head_size
+  bool latent = false;  // MLA: V is the first head_size_v elements of the K row (one cache)
+
+  int dv() const { return head_size_v ? head_size_v : head_size; }
 };
 
 // A batch of bfloat16 queries and caches, and the reference of every (token, head).
@@ -120,7 +125,9 @@ struct Batch {
   }
 
   float k(int s, int kv, int pos, int d) const { return element(key_cache, s, kv, pos, d); }
-  float v(int s, int kv, int pos, int d) const { return element(value_cache, s, kv, pos, d); }
+  float v(int s, int kv, int pos, int d) const {
+    return element(c.latent ? key_cache : value_cache, s, kv, pos, d);
+  }
   float element(const std::vector<uint16_t>& cache, int s, int kv, int pos, int d) const {
     const int64_t block = table[s * max_blocks + pos / c.block_size];
     const int64_t i =
@@ -129,9 +136,9 @@ struct Batch {
   }
 
   void reference() {
-    const int D = c.head_size, H = c.heads, group = c.heads / c.kv_heads;
+    const int D = c.head_size, Dv = c.dv(), H = c.heads, group = c.heads / c.kv_heads;
     const double scale = 1.0 / std::sqrt(double(D));
-    ref.assign(size_t(num_tokens) * H * D, 0.0);
+    ref.assign(size_t(num_tokens) * H * Dv, 0.0);
     bound.assign(ref.size(), 0.0);
     ref_lse.assign(size_t(num_tokens) * H, 0.0);
     for (size_t s = 0; s < c.seq_lens.size(); ++s) {
@@ -155,11 +162,11 @@ struct Batch {
           }
           double l = 0;
           for (double& x : logit) l += (x = std::exp(x - mx));
-          double* o = &ref[(size_t(token) * H + h) * D];
-          double* b = &bound[(size_t(token) * H + h) * D];
+          double* o = &ref[(size_t(token) * H + h) * Dv];
+          double* b = &bound[(size_t(token) * H + h) * Dv];
           for (int kp = lo; kp <= qp; ++kp) {
             const double pr = logit[kp - lo] / l;
-            for (int d = 0; d < D; ++d) {
+            for (int d = 0; d < Dv; ++d) {
               const double vv = v(s, kv, kp, d);
               o[d] += pr * vv;
               b[d] += pr * std::fabs(vv);
@@ -177,8 +184,8 @@ struct Batch {
 // the number of elements out of bounds.
 int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label) {
   const Case& c = b.c;
-  const int D = c.head_size, H = c.heads, group = H / c.kv_heads;
-  std::vector<uint16_t> out(size_t(b.num_tokens) * H * D, 0x7fc0);  // NaN
+  const int D = c.head_size, Dv = c.dv(), H = c.heads, group = H / c.kv_heads;
+  std::vector<uint16_t> out(size_t(b.num_tokens) * H * Dv, 0x7fc0);  // NaN
   std::vector<float> lse(size_t(b.num_tokens) * H, std::numeric_limits<float>::quiet_NaN());
   std::vector<int32_t> seq_lens(c.seq_lens.begin(), c.seq_lens.end());
   int max_q = 0, max_len = 0;
@@ -190,11 +197,15 @@ int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label) {
   PagedAttentionParams p{};
   p.out = out.data();
   p.query = b.query.data();
-  p.out_token_stride = p.q_token_stride = int64_t{H} * D;
-  p.out_head_stride = p.q_head_stride = D;
+  p.q_token_stride = int64_t{H} * D;
+  p.q_head_stride = D;
+  p.out_token_stride = int64_t{H} * Dv;
+  p.out_head_stride = Dv;
   const CacheStrides hnd{int64_t{c.kv_heads} * c.block_size * D, int64_t{c.block_size} * D, D};
   p.key_cache = PagedKVView{const_cast<uint16_t*>(b.key_cache.data()), hnd, c.block_size};
-  p.value_cache = PagedKVView{const_cast<uint16_t*>(b.value_cache.data()), hnd, c.block_size};
+  p.value_cache = c.latent ? p.key_cache
+                           : PagedKVView{const_cast<uint16_t*>(b.value_cache.data()), hnd,
+                                         c.block_size};
   p.block_tables = b.table.data();
   p.block_table_stride = b.max_blocks;
   p.seq_lens = seq_lens.data();
@@ -207,7 +218,8 @@ int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label) {
   p.num_seqs = static_cast<int32_t>(c.seq_lens.size());
   p.num_heads = H;
   p.num_kv_heads = c.kv_heads;
-  p.head_size = p.head_size_v = D;
+  p.head_size = D;
+  p.head_size_v = Dv;
   p.num_blocks = b.num_blocks;
   p.max_blocks_per_seq = b.max_blocks;
   p.max_seq_len = max_len;
@@ -242,7 +254,7 @@ int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label) {
     if (!(err <= tol)) {  // NaN included: an element the kernel never wrote
       if (bad++ < 5)
         std::printf("  %s: out[token %zu][head %zu][%zu] = %.6g, reference %.6g (bound %.3g)\n",
-                    label, i / (size_t(H) * D), i / D % H, i % D, got, want, tol);
+                    label, i / (size_t(H) * Dv), i / Dv % H, i % Dv, got, want, tol);
     } else {
       worst = std::max(worst, err / tol);
     }
@@ -281,6 +293,8 @@ int main(int argc, char** argv) {
       {"gqa8 d72 bs7 window", 16, 2, 72, 7, {333, 150}, {97, 150}, 50},
       {"gqa1 d256 bs32 cap alibi", 4, 4, 256, 32, {211, 90}, {111, 61}, -1, 30.f, true},
       {"gqa4 d64 bs16 window alibi", 8, 2, 64, 16, {259, 47}, {203, 47}, 100, 0.f, true},
+      {"mla 16 heads d576/512", 16, 1, 576, 16, {200, 37, 90}, {1, 37, 3}, -1, 0.f, false, 512,
+       true},
   };
   std::mt19937 rng(2026);
   int bad = 0;
