@@ -370,6 +370,7 @@ BAD_VALUES = {
         "--block-size": ["0", "-5", "x"], "--device": ["tpu", "x", "cuda:x"],
         "--dtype": ["int8"], "--seed": ["-5", "x"], "--threads": ["0", "-5", "x"],
         "--tp": ["0", "-5", "x", "3", "2"], "--tp-timeout": ["0", "-5", "x", "inf"],
+        "--model": ["nope", "", "gpt"],
     },
 }
 

@@ -8,6 +8,9 @@ both runs must produce the same tokens.
 ``--tp N`` under ``torchrun --nproc-per-node N`` serves the same requests with tensor parallelism:
 each rank holds its share of the heads, the MLP and the KV cache (the budget is split evenly over
 the ranks, so each holds as many blocks as one rank would), and rank 0 prints the report.
+
+``--model deepseek`` serves the same requests with a tiny random DeepSeek-V3 model on its latent
+cache instead (``pagedkv.tools.demo_mla``; it needs transformers, the ``hf`` extra).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pagedkv.serving.parallel import TensorParallel, TensorParallelError, init_t
 from pagedkv.tools import argtypes
 
 __all__ = ["add_arguments", "format_report", "main", "make_requests", "random_model", "run",
-           "run_demo"]
+           "run_demo", "serve_both", "table_lines"]
 
 
 def random_model(config: ModelConfig, seed: int = 0,
@@ -68,7 +71,7 @@ def make_requests(num_requests: int, system_prompt_len: int, vocab_size: int, ma
     return requests
 
 
-def _serve(model: LlamaForCausalLM, requests: list[tuple[list[int], int]],
+def _serve(model: torch.nn.Module, requests: list[tuple[list[int], int]],
            config: EngineConfig) -> tuple[dict[str, Any], list[list[int]]]:
     engine = LLMEngine(model, config)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in requests]
@@ -88,6 +91,27 @@ def _serve(model: LlamaForCausalLM, requests: list[tuple[list[int], int]],
         "preemptions": stats.swaps_out + stats.recomputes,
         "seconds": round(stats.seconds, 3),
     }, outputs
+
+
+def serve_both(model: torch.nn.Module, requests: list[tuple[list[int], int]], budget: int,
+               block_bytes: int, block_size: int, max_model_len: int) -> dict[str, Any]:
+    """The requests served paged (blocks of ``block_size`` tokens, ``block_bytes`` each, prefix
+    caching, swap space of 4 budgets) and contiguous (one ``max_model_len`` block a request, no
+    sharing) in ``budget`` bytes of KV memory: both runs' reports and the tokens' agreement."""
+    num_seqs = len(requests)
+    paged, paged_out = _serve(model, requests, EngineConfig(
+        block_size=block_size, num_blocks=None, kv_cache_bytes=budget,
+        num_cpu_blocks=4 * budget // block_bytes, max_num_seqs=num_seqs))
+    contiguous, contiguous_out = _serve(model, requests, EngineConfig(
+        block_size=max_model_len, num_blocks=None, kv_cache_bytes=budget,
+        enable_prefix_caching=False, reserve_null_block=False, max_num_seqs=num_seqs))
+    return {
+        "paged": paged,
+        "contiguous": contiguous,
+        "outputs_match": paged_out == contiguous_out,
+        "outputs_sha256": hashlib.sha256(json.dumps(paged_out).encode()).hexdigest(),
+        "outputs": paged_out,
+    }
 
 
 def run_demo(
@@ -118,14 +142,9 @@ def run_demo(
     budget = config.kv_cache_spec(max_model_len, dtype).bytes_per_block * kv_budget_requests
     rank_budget = budget // tp.size
     rank_block = config.kv_cache_spec(block_size, dtype, tp_size=tp.size).bytes_per_block
-    paged, paged_out = _serve(model, requests, EngineConfig(
-        block_size=block_size, num_blocks=None, kv_cache_bytes=rank_budget,
-        num_cpu_blocks=4 * rank_budget // rank_block, max_num_seqs=num_requests))
-    contiguous, contiguous_out = _serve(model, requests, EngineConfig(
-        block_size=max_model_len, num_blocks=None, kv_cache_bytes=rank_budget,
-        enable_prefix_caching=False, reserve_null_block=False, max_num_seqs=num_requests))
+    runs = serve_both(model, requests, rank_budget, rank_block, block_size, max_model_len)
     return {
-        "model": {"layers": config.num_hidden_layers, "hidden": config.hidden_size,
+        "model": {"name": "llama", "layers": config.num_hidden_layers, "hidden": config.hidden_size,
                   "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
                   "vocab": config.vocab_size, "dtype": str(dtype).removeprefix("torch."),
                   "device": str(device),
@@ -135,11 +154,7 @@ def run_demo(
         "max_model_len": max_model_len,
         "kv_budget_bytes": budget,
         "tp": tp.size,
-        "paged": paged,
-        "contiguous": contiguous,
-        "outputs_match": paged_out == contiguous_out,
-        "outputs_sha256": hashlib.sha256(json.dumps(paged_out).encode()).hexdigest(),
-        "outputs": paged_out,
+        **runs,
     }
 
 
@@ -156,16 +171,26 @@ def format_report(report: dict[str, Any]) -> str:
         f"model: {model['layers']} layers, hidden {model['hidden']}, {model['heads']} heads / "
         f"{model['kv_heads']} kv heads, vocab {model['vocab']}, {model['dtype']} on "
         f"{model['device']} (random weights)",
-        f"{report['requests']} requests, half behind a {report['system_prompt_len']}-token system "
-        f"prompt; KV budget {report['kv_budget_bytes'] / 2**20:.2f} MiB "
-        f"(max_model_len {report['max_model_len']})",
+        requests_line(report),
     ]
     if report["tp"] > 1:
         lines.append(f"tensor parallel over {report['tp']} ranks; KV cache per rank: "
                      f"{report['paged']['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB paged, "
                      f"{report['contiguous']['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB "
                      "contiguous")
-    lines.append(f"{'':26}{'paged':>14}{'contiguous':>14}")
+    return "\n".join(lines + table_lines(report))
+
+
+def requests_line(report: dict[str, Any]) -> str:
+    """The report's line on the requests and the KV budget."""
+    return (f"{report['requests']} requests, half behind a {report['system_prompt_len']}-token "
+            f"system prompt; KV budget {report['kv_budget_bytes'] / 2**20:.2f} MiB "
+            f"(max_model_len {report['max_model_len']})")
+
+
+def table_lines(report: dict[str, Any]) -> list[str]:
+    """The paged and contiguous runs side by side, and whether their tokens agree."""
+    lines = [f"{'':26}{'paged':>14}{'contiguous':>14}"]
     for label, key in ROWS:
         cells = []
         for run in (report["paged"], report["contiguous"]):
@@ -178,7 +203,7 @@ def format_report(report: dict[str, Any]) -> str:
                  "averaged over engine steps")
     lines.append(f"same greedy tokens in both runs: {report['outputs_match']} "
                  f"(sha256 of the tokens: {report['outputs_sha256'][:16]})")
-    return "\n".join(lines)
+    return lines
 
 
 def _device(text: str) -> str:
@@ -193,16 +218,22 @@ def _device(text: str) -> str:
     return text
 
 
-HELP = "the end-to-end demo: a small random Llama served paged and contiguous"
+HELP = "the end-to-end demo: a small random Llama (or DeepSeek-V3) served paged and contiguous"
 DESCRIPTION = """\
 Serve the same requests (mixed lengths, half behind a shared system prompt) with a small Llama
 of random weights, twice under one KV memory budget: with the paged cache (small blocks, prefix
 caching) and with contiguous max-length reservation. Greedy decoding, so both runs must produce
-the same tokens (exit status 1 otherwise). With --tp N, run it under torchrun --nproc-per-node N."""
+the same tokens (exit status 1 otherwise). With --tp N, run it under torchrun --nproc-per-node N.
+With --model deepseek, a tiny random DeepSeek-V3 (multi-head latent attention) serves them on its
+latent cache, and the report adds the cache's bytes per token beside the MHA and GQA-8 forms'."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``pagedkv demo`` (the command line adds ``--json``)."""
+    parser.add_argument("--model", choices=["llama", "deepseek"], default="llama",
+                        help="llama (default) or deepseek: a tiny random DeepSeek-V3 on its "
+                             "latent (MLA) cache, with the cache's memory beside the MHA and "
+                             "GQA forms' (needs transformers: pip install 'pagedkv[hf]')")
     parser.add_argument("--requests", type=argtypes.positive_int, default=48,
                         help="requests (default 48)")
     parser.add_argument("--system-prompt-len", type=argtypes.count, default=48,
@@ -237,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``pagedkv demo`` with the options of ``add_arguments`` (and ``--json``); rank 0
     prints the report. Exit status 1 when the two runs' tokens differ."""
     _check_lengths(args)
+    if args.model == "deepseek":
+        from pagedkv.tools import demo_mla
+
+        return demo_mla.run(args)
     _check_tp(args.parser, args.tp)
     if args.threads:
         torch.set_num_threads(args.threads)
