@@ -32,7 +32,7 @@ from pagedkv.serving.parallel import TensorParallel, TensorParallelError, init_t
 from pagedkv.tools import argtypes
 
 __all__ = ["add_arguments", "format_report", "main", "make_requests", "random_model", "run",
-           "run_demo", "serve_both", "table_lines"]
+           "requests_line", "run_demo", "serve_both", "table_lines"]
 
 
 def random_model(config: ModelConfig, seed: int = 0,
