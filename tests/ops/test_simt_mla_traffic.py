@@ -1,0 +1,58 @@
+"""The traffic contract of the tensor-core MLA kernel, counted by the simt emulator (docs/simt.md,
+Traffic): each latent byte a row tile needs is read from global memory once by that tile (S and
+P V share one staged copy), in full 32-byte sectors, for 16-bit and fp8 latents, any block
+size; a decode of up to 16 heads is one row tile, more heads take ceil(rows / 64) of them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_mla_attention import DEEPSEEK, check, make_args
+
+simt = pytest.importorskip("pagedkv.ops.simt")
+if not simt.available():
+    pytest.skip("pagedkv._simt is not built (no CUDA toolkit headers)", allow_module_level=True)
+
+KERNEL = "mla_attention_tc_kernel"
+
+
+def latent_traffic(args: dict) -> dict:
+    with simt.profile() as prof:
+        simt.ops.mla_attention(*(args[name] for name in (
+            "out", "query", "kv_cache", "block_tables", "seq_lens", "query_start_loc",
+            "max_seq_len", "max_query_len", "scale", "kv_scale", "lse_out")))
+    check(args)
+    return prof.total(KERNEL, "kv")
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("heads, q_lens, tiles", [(16, None, 1), (128, None, 2),
+                                                  (16, [2, 2, 2], 1), (8, [3, 1, 4], 1)])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_each_latent_byte_is_read_once_per_row_tile(cache_dtype, heads, q_lens, tiles,
+                                                    block_size):
+    seq_lens = [37, 70, 5]
+    args = make_args(seq_lens, q_lens, heads=heads, shape=DEEPSEEK, block_size=block_size,
+                     dtype=torch.bfloat16, cache_dtype=cache_dtype, seed=block_size)
+    kv = latent_traffic(args)
+    element = 1 if cache_dtype is not None else 2
+    latent_bytes = sum(seq_lens) * sum(DEEPSEEK) * element
+    assert kv["distinct_bytes"] == latent_bytes
+    assert kv["bytes"] == tiles * latent_bytes
+    assert kv["sector_efficiency"] >= 0.9, kv
+
+
+def test_the_rows_of_a_prefill_tile_read_their_causal_prefix_once():
+    """A 64-row tile of 5 heads (12.8 tokens) reads the keys up to its last row's position, once:
+    tile i of a 40-token chunk over 30 cached rows reads 30 + (64 i + 63) // 5 + 1 keys (the
+    last one to the end)."""
+    heads, cached, chunk = 5, 30, 40
+    args = make_args([cached + chunk], [chunk], heads=heads, shape=(64, 16),
+                     dtype=torch.float16)
+    kv = latent_traffic(args)
+    tiles = math.ceil(chunk * heads / 64)
+    keys = sum(min(cached + (64 * i + 63) // heads + 1, cached + chunk) for i in range(tiles))
+    assert kv["bytes"] == keys * 80 * 2
+    assert kv["distinct_bytes"] == (cached + chunk) * 80 * 2
