@@ -213,6 +213,8 @@ def test_bf16_attention_under_simt_is_within_transformers_own_bf16_error() -> No
     with simt.profile() as prof:
         ours = (first_step_logits(model, EngineConfig(block_size=4, num_blocks=64))
                 - exact).abs().max()
+    print(f"bf16 first-step logits under simt, max error vs float32: pagedkv {ours:.4f}, "
+          f"transformers {theirs:.4f}")
     assert any("mla_attention_tc_kernel" in launch["kernel"] for launch in prof.launches)
     assert 0 < ours < 2 * theirs
 

@@ -173,7 +173,7 @@ def test_block_sizes(mla_backend, block_size, mode):
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=str)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_fp8_latents(mla_backend, dtype, mode, cache_dtype):
     seq_lens, q_lens = mode_lens(mla_backend, mode)
     args = make_args(seq_lens, q_lens, heads=16, shape=DEEPSEEK, dtype=dtype,

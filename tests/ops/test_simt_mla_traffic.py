@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from test_mla_attention import DEEPSEEK, check, make_args
+from test_mla_attention import DEEPSEEK, OP_ARGS, check, make_args
 
 simt = pytest.importorskip("pagedkv.ops.simt")
 if not simt.available():
@@ -18,13 +18,16 @@ if not simt.available():
 KERNEL = "mla_attention_tc_kernel"
 
 
-def latent_traffic(args: dict) -> dict:
+def profiled(args: dict):
+    """The op on simt under the traffic counters, its outputs checked; the profile."""
     with simt.profile() as prof:
-        simt.ops.mla_attention(*(args[name] for name in (
-            "out", "query", "kv_cache", "block_tables", "seq_lens", "query_start_loc",
-            "max_seq_len", "max_query_len", "scale", "kv_scale", "lse_out")))
+        simt.ops.mla_attention(*(args[name] for name in OP_ARGS))
     check(args)
-    return prof.total(KERNEL, "kv")
+    return prof
+
+
+def latent_traffic(args: dict) -> dict:
+    return profiled(args).total(KERNEL, "kv")
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
@@ -56,3 +59,27 @@ def test_the_rows_of_a_prefill_tile_read_their_causal_prefix_once():
     keys = sum(min(cached + (64 * i + 63) // heads + 1, cached + chunk) for i in range(tiles))
     assert kv["bytes"] == keys * 80 * 2
     assert kv["distinct_bytes"] == (cached + chunk) * 80 * 2
+
+
+@pytest.mark.parametrize("seq_lens, q_lens, heads, split", [([5, 17, 30], None, 16, False),
+                                                             ([200, 129], None, 8, True),
+                                                             ([150, 9], [12, 9], 3, True)],
+                         ids=["decode", "decode-split", "prefill-split"])
+def test_every_store_is_counted(seq_lens, q_lens, heads, split):
+    """Each byte of out and lse written once, through the counted store(); with split-K each byte
+    of the workspace (a kv_lora_rank-wide partial and an lse per token, head and partition) once
+    by the MLA kernel."""
+    rank = 64
+    args = make_args(seq_lens, q_lens, heads=heads, shape=(rank, 16), dtype=torch.bfloat16)
+    prof = profiled(args)
+    tokens = args["query"].shape[0]
+    for tag, size in (("out", tokens * heads * rank * 2), ("lse", tokens * heads * 4)):
+        counted = prof.total(None, tag, "store")
+        assert counted["bytes"] == counted["distinct_bytes"] == size, (tag, counted)
+    launch = next(x for x in prof.launches if KERNEL in x["kernel"])
+    rows = args["max_query_len"] * heads
+    parts = launch["grid"][0] // math.ceil(rows / (16 if rows <= 16 else 64))
+    assert (parts > 1) == split, parts
+    written = prof.total(KERNEL, "workspace", "store")
+    expected = tokens * heads * parts * (rank + 1) * 4 if parts > 1 else 0
+    assert written["bytes"] == written["distinct_bytes"] == expected, written
