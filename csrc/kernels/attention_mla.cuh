@@ -66,6 +66,7 @@ struct MlaConfig {
   static_assert(kBN * kChunks % kThreads == 0, "whole copy passes");
   static_assert(kHalfKeys == 16 && kHalfCols % 16 == 0, "one k16 step of S keys, x4 V loads");
   static_assert(kBN <= kThreads, "one thread locates each key's row");
+  static_assert(kBytes == mla_smem_bytes(DV, kBM), "the host's figure (attention_mla_launch.h)");
 };
 
 // The latent copies of one thread: chunk (tid + i * kThreads) of the tile's kBN x kChunks, i <
@@ -164,6 +165,7 @@ __global__ void __launch_bounds__(64 * WM, 1)
   constexpr int kBN = Cfg::kBN, kStride = Cfg::kStride, kBM = Cfg::kBM;
   PAGEDKV_DYNAMIC_SMEM(T, mla_smem);
   __shared__ uint64_t row_off[2][kBN];
+  static_assert(sizeof(row_off) == kMlaStaticSmem, "the host's figure");
   T* q_smem = mla_smem;                          // [kBM][kStride]
   T* kv_smem = q_smem + Cfg::kQElems;            // [2][kBN][kStride]
   T* p_smem = kv_smem + 2 * Cfg::kTileElems;     // [kBM][kPStride]

@@ -28,16 +28,18 @@ inline int mla_padded_rank(int rank, int width) {
 // (four slices, eight warps) where its shared memory fits the device's per-block opt-in
 // (`max_smem_bytes`; sm_86 / sm_89's 99 KiB do not hold a 64-row tile of rank 512).
 constexpr int kMlaKeys = 32;  // keys per tile
-inline size_t mla_smem_bytes(int dv, int block_rows) {
+// Dynamic shared memory of a block (MlaConfig::kBytes): Q, two latent tiles, P, row maxima.
+constexpr size_t mla_smem_bytes(int dv, int block_rows) {
   const size_t stride = static_cast<size_t>(dv + kMlaPaddedRope + 8);  // elements, +16 bytes
   return (block_rows * stride + 2 * kMlaKeys * stride + block_rows * (kMlaKeys + 8)) * 2 +
          2 * block_rows * sizeof(float);
 }
+constexpr size_t kMlaStaticSmem = 2 * kMlaKeys * sizeof(uint64_t);  // the row offsets
 inline int mla_block_rows(const PagedAttentionParams& p, size_t max_smem_bytes) {
   const int dv = mla_padded_rank(p.head_size_v, p.head_size);
   if (attention_tc_rows(p) <= kAttnTcDecodeRows) return kAttnTcDecodeRows;
-  return mla_smem_bytes(dv, kAttnTcPrefillRows) <= max_smem_bytes ? kAttnTcPrefillRows
-                                                                   : kAttnTcDecodeRows;
+  const size_t wide = mla_smem_bytes(dv, kAttnTcPrefillRows) + kMlaStaticSmem;
+  return wide <= max_smem_bytes ? kAttnTcPrefillRows : kAttnTcDecodeRows;
 }
 
 // The split-K plan of a call: the tensor-core plan's (plan_paged_attention_tc, with its row

@@ -83,3 +83,18 @@ def test_every_store_is_counted(seq_lens, q_lens, heads, split):
     written = prof.total(KERNEL, "workspace", "store")
     expected = tokens * heads * parts * (rank + 1) * 4 if parts > 1 else 0
     assert written["bytes"] == written["distinct_bytes"] == expected, written
+
+
+def test_a_plan_for_shorter_sequences_still_reads_every_key():
+    """As a CUDA graph captured at max_seq_len 64 replays a 500-key decode: the plan's last
+    partition runs to the end of the context, so every latent row is read once and the result
+    is exact."""
+    args = make_args([500, 20], heads=16, shape=DEEPSEEK, dtype=torch.bfloat16)
+    simt.set_plan_max_seq_len(64)
+    try:
+        prof = profiled(args)
+    finally:
+        simt.set_plan_max_seq_len(0)
+    kv = prof.total(KERNEL, "kv")
+    assert kv["bytes"] == kv["distinct_bytes"] == 520 * sum(DEEPSEEK) * 2
+    assert prof.launches[0]["grid"][0] == 2  # the plan of 64 keys, split in two
