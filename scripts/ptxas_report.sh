@@ -9,7 +9,8 @@
 #                                           (build/ for `make build`): no compile
 #
 # Exits non-zero when a paged_attention kernel spills on sm_90, or a tensor-core one
-# (paged_attention_tc_kernel) on any arch, or when a unit's log is missing.
+# (paged_attention_tc_kernel, mla_attention_tc_kernel) on any arch, or when a unit's log is
+# missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-nvcc}
@@ -66,15 +67,17 @@ for log in sorted(glob.glob(sys.argv[1] + "/*.log")):
 names = subprocess.run(["c++filt"], input="\n".join(r[1] for r in rows), text=True,
                        capture_output=True).stdout.split("\n")
 def short(n):
-    n = re.sub(r"pagedkv::(cuda|simt)::attn::", "", n)
+    n = re.sub(r"pagedkv::(cuda|simt)::attn(_tc|_mla)?::", "", n)
     n = n.replace("pagedkv::", "").replace("__nv_bfloat16", "bf16").replace("__half", "half")
     return re.sub(r"\(.*\)$", "", n)
 print(f"{'arch':6} {'regs':>4} {'smem':>5} {'spill st/ld':>11}  kernel (static smem; dynamic smem is"
-      " DecodeSmem<HEAD>::kBytes, TcConfig<HEAD, WM, WN, BN>::kBytes for the tensor-core ones)")
+      " DecodeSmem<HEAD>::kBytes, TcConfig<HEAD, WM, WN, BN>::kBytes for the tensor-core ones,"
+      " MlaConfig<DV, WM>::kBytes for MLA)")
 bad = 0
 for r, n in zip(rows, names):
     print(f"{r[0]:6} {r[2]:4d} {r[3]:5d} {r[4]:5d}/{r[5]:<5d}  {short(n)}")
-    checked = ("paged_attention_kernel" in n and r[0] == "sm_90") or "paged_attention_tc_kernel" in n
+    checked = (("paged_attention_kernel" in n and r[0] == "sm_90") or "paged_attention_tc_kernel" in n
+               or "mla_attention_tc_kernel" in n)
     if checked and (r[4] or r[5]):
         bad += 1
 print(f"\n{len(rows)} kernels; {bad} paged_attention kernels spill (any on sm_90, tensor-core"

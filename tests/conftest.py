@@ -5,6 +5,9 @@ cuda  the CUDA kernels (torch.ops.pagedkv on CUDA tensors), when a GPU is presen
 simt  the CUDA kernel source run by the emulator (torch.ops.pagedkv_simt on CPU tensors),
       in two fiber orders (forward, and random with a fixed seed)
 
+The mla_attention suite takes `mla_backend`: those of them that register an mla_attention kernel
+(the CUDA-source backends run the tensor-core MLA kernel).
+
 The paged_attention suites take `attention_backend` instead: the same backends, plus for cuda
 and simt the tensor-core kernel forced (PAGEDKV_ATTENTION_KERNEL=tensor_core, names ending in
 -tc) besides the automatic dispatch (docs/cuda_attention.md).
@@ -81,6 +84,14 @@ ATTENTION_BACKENDS = wanted(ALL_BACKENDS + [
 ])
 
 
+def _has_kernel(b: Backend, op: str) -> bool:
+    key = "CUDA" if b.device.type == "cuda" else "CPU"
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{b.ops.name}::{op}", key)
+
+
+MLA_BACKENDS = [b for b in BACKENDS if _has_kernel(b, "mla_attention")]
+
+
 def _use(b: Backend, monkeypatch) -> Backend:
     if b.simt_order is not None:
         simt = _simt_module()
@@ -92,6 +103,11 @@ def _use(b: Backend, monkeypatch) -> Backend:
 
 @pytest.fixture(params=BACKENDS, ids=str)
 def backend(request, monkeypatch) -> Backend:
+    return _use(request.param, monkeypatch)
+
+
+@pytest.fixture(params=MLA_BACKENDS, ids=str)
+def mla_backend(request, monkeypatch) -> Backend:
     return _use(request.param, monkeypatch)
 
 

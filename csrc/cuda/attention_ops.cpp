@@ -1,4 +1,4 @@
-// CUDA backend of the attention ops (their checks: csrc/ops/): device guard, current stream,
+// CUDA backend of the attention ops, mla_attention included (their checks: csrc/ops/): device guard, current stream,
 // the kernel and its split-K plan from host integers and the device's SM count and compute
 // capability (plan_attention, under PAGEDKV_ATTENTION_KERNEL), workspace from the caching
 // allocator, launch. No host sync and no host read of device data, so both ops work under CUDA
@@ -13,8 +13,11 @@
 
 #include "glue/attention_kernel.h"
 #include "glue/attention_plan.h"
+#include "glue/mla_attention.h"
+#include "kernels/attention_mla_launch.h"
 #include "kernels/attention_tc_launch.h"
 #include "ops/merge_attn_states.h"
+#include "ops/mla_attention.h"
 #include "ops/paged_attention.h"
 
 namespace pagedkv {
@@ -39,6 +42,9 @@ int sm_count(c10::DeviceIndex device) {  // multiprocessors
 int sm_major(c10::DeviceIndex device) {  // compute capability major
   return device_attribute<cudaDevAttrComputeCapabilityMajor>(device);
 }
+size_t max_smem_optin(c10::DeviceIndex device) {  // shared memory a block may opt into, bytes
+  return static_cast<size_t>(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device));
+}
 
 void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   check_attention_kernel_exists(p, "cuda");
@@ -49,6 +55,20 @@ void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   at::Tensor workspace;  // alive until the launch is enqueued
   allocate_workspace(p, run.plan, query, workspace);
   C10_CUDA_CHECK(cuda::paged_attention(p, run, c10::cuda::getCurrentCUDAStream()));
+}
+
+// mla_attention on the tensor-core MLA kernel (sm_80+, 16-bit queries; check_mla_kernel).
+void mla_attention(const PagedAttentionParams& p, const at::Tensor& query) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  const c10::DeviceIndex device = query.device().index();
+  TORCH_CHECK(sm_major(device) >= 8, "mla_attention (cuda): the tensor-core kernel needs sm_80 or "
+              "newer, the query's device is sm_", sm_major(device), "x");
+  AttentionPlan plan =
+      plan_mla_attention(p, mla_block_rows(p, max_smem_optin(device)), sm_count(device));
+  check_mla_kernel(p, plan, "cuda");
+  at::Tensor workspace;  // alive until the launch is enqueued
+  allocate_workspace(p, plan, query, workspace);
+  C10_CUDA_CHECK(cuda::mla_attention(p, plan, c10::cuda::getCurrentCUDAStream()));
 }
 
 void merge_attn_states(const MergeAttnParams& p, const at::Tensor& out) {
@@ -62,6 +82,7 @@ void merge_attn_states(const MergeAttnParams& p, const at::Tensor& out) {
 TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
   m.impl("paged_attention", &paged_attention_op<&paged_attention>);
   m.impl("merge_attn_states", &merge_attn_states_op<&merge_attn_states>);
+  m.impl("mla_attention", &mla_attention_op<&mla_attention>);
 }
 
 }  // namespace pagedkv

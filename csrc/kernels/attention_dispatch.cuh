@@ -1,11 +1,13 @@
 // Runtime dispatch of the attention launchers (paged_attention: attention_tc_launch.h;
-// merge_attn_states: attention_launch.h) to the kernel and query dtype. The per-dtype kernel
-// instantiations live in their own translation units (PAGEDKV_INSTANTIATE_ATTENTION,
-// PAGEDKV_INSTANTIATE_ATTENTION_TC), so that two cores compile them in parallel; this file only
+// mla_attention: attention_mla_launch.h; merge_attn_states: attention_launch.h) to the kernel and
+// query dtype. The per-dtype kernel instantiations live in their own translation units
+// (PAGEDKV_INSTANTIATE_ATTENTION, PAGEDKV_INSTANTIATE_ATTENTION_TC,
+// PAGEDKV_INSTANTIATE_MLA_ATTENTION), so that two cores compile them in parallel; this file only
 // declares them.
 #pragma once
 #include "kernels/compat.cuh"
 #include "kernels/attention_launch.h"
+#include "kernels/attention_mla_launch.h"
 #include "kernels/attention_tc_launch.h"
 #include "kernels/dtypes.cuh"
 
@@ -29,6 +31,13 @@ cudaError_t paged_attention_tc_typed(const PagedAttentionParams& p, const Attent
                                      cudaStream_t stream);
 
 }  // namespace attn_tc
+namespace attn_mla {
+
+template <typename T>
+cudaError_t mla_attention_tc_typed(const PagedAttentionParams& p, const AttentionPlan& plan,
+                                   cudaStream_t stream);
+
+}  // namespace attn_mla
 
 // The launch's kernel for query dtype T (float32 queries run on the CUDA-core kernel only).
 template <typename T>
@@ -51,6 +60,18 @@ cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionLaunch
     case DType::kFloat32: return paged_attention_of<float>(p, launch, stream);
     case DType::kFloat16: return paged_attention_of<__half>(p, launch, stream);
     case DType::kBFloat16: return paged_attention_of<__nv_bfloat16>(p, launch, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The MLA kernel runs 16-bit queries only (the glue refuses the others first).
+cudaError_t mla_attention(const PagedAttentionParams& p, const AttentionPlan& plan,
+                          cudaStream_t stream) {
+  if (p.num_tokens == 0 || p.num_seqs == 0) return cudaSuccess;
+  switch (p.dtype) {
+    case DType::kFloat16: return attn_mla::mla_attention_tc_typed<__half>(p, plan, stream);
+    case DType::kBFloat16:
+      return attn_mla::mla_attention_tc_typed<__nv_bfloat16>(p, plan, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -19,7 +19,7 @@ struct AttentionPlan {
   int32_t num_parts;    // context partitions (split-K); 1 = write the output directly
   int32_t part_tokens;  // keys per partition
   bool vectorized;      // caches aligned for 16-byte (fp8: 8-byte) chunk loads
-  float* tmp_out;       // [num_tokens, num_heads, num_parts, head_size] when num_parts > 1
+  float* tmp_out;       // [num_tokens, num_heads, num_parts, head_size_v] when num_parts > 1
   float* tmp_lse;       // [num_tokens, num_heads, num_parts] when num_parts > 1
 };
 
@@ -118,14 +118,14 @@ inline AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int sm_
 // Floats of split-K workspace the plan needs (0 when it does not split).
 inline int64_t attention_workspace_floats(const PagedAttentionParams& p, const AttentionPlan& plan) {
   if (plan.num_parts == 1) return 0;
-  return p.num_tokens * p.num_heads * plan.num_parts * (p.head_size + 1);
+  return p.num_tokens * p.num_heads * plan.num_parts * (p.head_size_v + 1);
 }
 
 // Points the plan at a workspace of attention_workspace_floats() floats.
 inline void attach_workspace(const PagedAttentionParams& p, AttentionPlan& plan, float* ws) {
   if (plan.num_parts == 1) return;
   plan.tmp_out = ws;
-  plan.tmp_lse = ws + p.num_tokens * p.num_heads * plan.num_parts * p.head_size;
+  plan.tmp_lse = ws + p.num_tokens * p.num_heads * plan.num_parts * p.head_size_v;
 }
 
 // merge_attn_states' launcher (paged_attention's: attention_tc_launch.h, with the kernel choice).

@@ -75,12 +75,12 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
   __syncthreads();
   T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
-  const float* partial = plan.tmp_out + row * n * p.head_size;
-  for (int d = threadIdx.x; d < p.head_size; d += kMergeThreads) {
+  const float* partial = plan.tmp_out + row * n * p.head_size_v;
+  for (int d = threadIdx.x; d < p.head_size_v; d += kMergeThreads) {
     float o = 0.f;
     for (int i = 0; i < n; ++i) {
       const float w = weight[i];
-      if (w > 0.f) o += w * load(partial + i * p.head_size + d, "workspace");
+      if (w > 0.f) o += w * load(partial + i * p.head_size_v + d, "workspace");
     }
     store(out + d, from_float<T>(o), "out");
   }

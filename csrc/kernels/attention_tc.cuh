@@ -85,29 +85,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
     v_scale = *p.v_scale;
   }
 
-  // Q tile -> shared memory (rows past `rows` and dims past head_size: zeros).
-  {
-    const T* query = static_cast<const T*>(p.query);
-    const bool q_vec = reinterpret_cast<uintptr_t>(query) % 16 == 0 && p.q_token_stride % 8 == 0 &&
-                       p.q_head_stride % 8 == 0;
-    for (int i = tid; i < Cfg::kBM * Cfg::kChunks; i += Cfg::kThreads) {
-      const int r = i / Cfg::kChunks, c = i % Cfg::kChunks;
-      uint4 x = make_uint4(0, 0, 0, 0);
-      if (r < rows && c * 8 < head_size) {
-        const T* src = query + static_cast<int64_t>(tile.token(r)) * p.q_token_stride +
-                       static_cast<int64_t>(tile.head(r)) * p.q_head_stride + c * 8;
-        if (q_vec) {
-          x = *reinterpret_cast<const uint4*>(src);
-        } else {
-          uint16_t e[8];
-          for (int j = 0; j < 8; ++j) e[j] = reinterpret_cast<const uint16_t*>(src)[j];
-          x.x = e[0] | (uint32_t(e[1]) << 16), x.y = e[2] | (uint32_t(e[3]) << 16);
-          x.z = e[4] | (uint32_t(e[5]) << 16), x.w = e[6] | (uint32_t(e[7]) << 16);
-        }
-      }
-      *reinterpret_cast<uint4*>(q_smem + r * kStride + c * 8) = x;
-    }
-  }
+  stage_query<T, Cfg::kBM, Cfg::kChunks, kStride, Cfg::kThreads>(p, tile, head_size, q_smem);
 
   TcCopy<T, C, Cfg, BN> copy(p, tile, k_smem, row_off);
 

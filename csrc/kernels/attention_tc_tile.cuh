@@ -91,6 +91,35 @@ __device__ __forceinline__ uint4 dequantize8(uint2 raw) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// The tile's queries -> shared memory, rows of kStride elements: row r is the query of tile row
+// r (tile.token, tile.head), its first `width` elements (16-byte loads where the query allows);
+// rows past tile.rows and elements past `width`, up to kChunks * 8, zeros.
+template <typename T, int kRows, int kChunks, int kStride, int kThreads>
+__device__ __forceinline__ void stage_query(const PagedAttentionParams& p,
+                                            const attn::AttentionTile& tile, int width,
+                                            T* q_smem) {
+  const T* query = static_cast<const T*>(p.query);
+  const bool q_vec = reinterpret_cast<uintptr_t>(query) % 16 == 0 && p.q_token_stride % 8 == 0 &&
+                     p.q_head_stride % 8 == 0;
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (r < tile.rows && c * 8 < width) {
+      const T* src = query + static_cast<int64_t>(tile.token(r)) * p.q_token_stride +
+                     static_cast<int64_t>(tile.head(r)) * p.q_head_stride + c * 8;
+      if (q_vec) {
+        x = *reinterpret_cast<const uint4*>(src);
+      } else {
+        uint16_t e[8];
+        for (int j = 0; j < 8; ++j) e[j] = reinterpret_cast<const uint16_t*>(src)[j];
+        x.x = e[0] | (uint32_t(e[1]) << 16), x.y = e[2] | (uint32_t(e[3]) << 16);
+        x.z = e[4] | (uint32_t(e[5]) << 16), x.w = e[6] | (uint32_t(e[7]) << 16);
+      }
+    }
+    *reinterpret_cast<uint4*>(q_smem + r * kStride + c * 8) = x;
+  }
+}
+
 // The K/V copies of one thread (see the top of the file). Buffers: tile index % 2.
 template <typename T, typename C, typename Cfg, int BN>
 struct TcCopy {

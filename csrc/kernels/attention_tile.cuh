@@ -170,7 +170,7 @@ struct OutRow {
       }
     } else {
       const int64_t slot = (token * p.num_heads + head) * plan.num_parts + part;
-      partial = plan.tmp_out + slot * p.head_size;
+      partial = plan.tmp_out + slot * p.head_size_v;
       lse = plan.tmp_lse + slot;
     }
   }

@@ -1,5 +1,5 @@
-// simt glue of the attention ops: the CUDA glue (csrc/cuda/attention_ops.cpp) for CPU tensors run
-// by the emulator. The split-K plan assumes a small device and partitions of at least
+// simt glue of the attention ops, mla_attention included: the CUDA glue
+// (csrc/cuda/attention_ops.cpp) for CPU tensors run by the emulator. The split-K plan assumes a small device and partitions of at least
 // PAGEDKV_SIMT_MIN_PART_TOKENS keys (default 32), so that the tests' short contexts exercise
 // split-K and its reduce kernel as well as the single-partition path. The control
 // pagedkv_simt_ctl.set_plan_max_seq_len plans calls as a CUDA graph captured for shorter
@@ -11,8 +11,11 @@
 
 #include "glue/attention_kernel.h"
 #include "glue/attention_plan.h"
+#include "glue/mla_attention.h"
+#include "kernels/attention_mla_launch.h"
 #include "kernels/attention_tc_launch.h"
 #include "ops/merge_attn_states.h"
+#include "ops/mla_attention.h"
 #include "ops/paged_attention.h"
 #include "simt/runtime.h"
 
@@ -52,6 +55,22 @@ void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   check(simt::paged_attention(p, run, nullptr), "paged_attention");
 }
 
+// The emulator has no shared memory limit below sm_90's 227 KiB opt-in.
+constexpr size_t kSimtMaxSmem = 227 * 1024;
+
+void mla_attention(const PagedAttentionParams& p, const at::Tensor& query) {
+  PagedAttentionParams planned = p;
+  if (const int64_t cap = plan_max_seq_len.load(); cap > 0 && cap < p.max_seq_len) {
+    planned.max_seq_len = static_cast<int32_t>(cap);
+  }
+  AttentionPlan plan = plan_mla_attention(planned, mla_block_rows(p, kSimtMaxSmem),
+                                          kSimtSmCount, simt_min_part_tokens());
+  check_mla_kernel(p, plan, "simt");
+  at::Tensor workspace;  // alive until the launch returns
+  allocate_workspace(p, plan, query, workspace);
+  check(simt::mla_attention(p, plan, nullptr), "mla_attention");
+}
+
 void merge_attn_states(const MergeAttnParams& p, const at::Tensor&) {
   check_merge_grid(p, "simt");
   check(simt::merge_attn_states(p, nullptr), "merge_attn_states");
@@ -71,6 +90,7 @@ TORCH_LIBRARY_FRAGMENT(pagedkv_simt_ctl, m) {
 TORCH_LIBRARY_IMPL(pagedkv_simt, CPU, m) {
   m.impl("paged_attention", &paged_attention_op<&paged_attention>);
   m.impl("merge_attn_states", &merge_attn_states_op<&merge_attn_states>);
+  m.impl("mla_attention", &mla_attention_op<&mla_attention>);
 }
 
 }  // namespace pagedkv

@@ -186,7 +186,9 @@ def test_an_fp8_latent_cache_serves(case, cache_dtype: torch.dtype) -> None:
 
 
 def test_the_cache_write_under_simt_matches_transformers() -> None:
-    """``concat_and_cache_mla`` from the CUDA kernels' source, emulated on the CPU."""
+    """``concat_and_cache_mla`` from the CUDA kernels' source, emulated on the CPU (a float32
+    model: its attention runs on the CPU kernels, the tensor-core MLA kernel takes 16-bit
+    queries)."""
     from pagedkv.ops import simt
 
     if not simt.available():
@@ -196,6 +198,25 @@ def test_the_cache_write_under_simt_matches_transformers() -> None:
     model = TransformersForCausalLM(deepseek("v3")).use_kernels(simt.ops)
     engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64))
     assert engine.generate(prompts, SamplingParams(max_tokens=6)) == expected
+
+
+def test_bf16_attention_under_simt_is_within_transformers_own_bf16_error() -> None:
+    """The cache write and the tensor-core MLA kernel from the CUDA source, emulated: bf16
+    first-step logits within twice transformers' own bf16 error of the float32 model's."""
+    from pagedkv.ops import simt
+
+    if not simt.available():
+        pytest.skip("pagedkv built without the simt emulator")
+    exact = transformers_logits(deepseek("v3"))
+    theirs = (transformers_logits(deepseek("v3", dtype=torch.bfloat16)) - exact).abs().max()
+    model = TransformersForCausalLM(deepseek("v3", dtype=torch.bfloat16)).use_kernels(simt.ops)
+    with simt.profile() as prof:
+        ours = (first_step_logits(model, EngineConfig(block_size=4, num_blocks=64))
+                - exact).abs().max()
+    print(f"bf16 first-step logits under simt, max error vs float32: pagedkv {ours:.4f}, "
+          f"transformers {theirs:.4f}")
+    assert any("mla_attention_tc_kernel" in launch["kernel"] for launch in prof.launches)
+    assert 0 < ours < 2 * theirs
 
 
 def test_the_wrapped_model_still_runs_transformers_attention() -> None:

@@ -127,17 +127,22 @@ def write_and_attend(cache: PagedKVCache, batch: BatchTensors, layer: int, query
     kv_scale = cache.k_scales[layer] if cache.k_scales else None
     kernels.concat_and_cache_mla(kv_c, k_pe, latent, batch.slot_mapping, kv_scale)
     out = query.new_empty(*query.shape[:2], kv_c.shape[-1])
-    _latent_attention(out, query, latent, batch, scale, kv_scale)
+    _latent_attention(out, query, latent, batch, scale, kv_scale, kernels)
     return out
 
 
 def _latent_attention(out: torch.Tensor, query: torch.Tensor, latent: torch.Tensor,
-                      batch: BatchTensors, scale: float, kv_scale: torch.Tensor | None) -> None:
+                      batch: BatchTensors, scale: float, kv_scale: torch.Tensor | None,
+                      kernels: Any) -> None:
     """The absorbed attention of ``query [T, H, width]`` over ``latent``'s rows into
-    ``out [T, H, kv_lora_rank]``: decode, or varlen causal prefill over cached rows. Always
-    ``pagedkv.ops`` (the kernels of the tensors' device): the CUDA source has no MLA kernel
-    yet, so a simt run writes the cache with the CUDA source and attends on the CPU."""
-    ops.mla_attention(
+    ``out [T, H, kv_lora_rank]``: decode, or varlen causal prefill over cached rows, by
+    ``kernels``' mla_attention. The CUDA source's MLA kernel (cuda, simt) runs on tensor cores
+    and takes 16-bit queries only: float32 CPU tensors attend on the CPU kernels
+    (``pagedkv.ops``) whatever ``kernels`` is (a simt run of a float32 model), float32 on a GPU
+    is refused by the kernel."""
+    cpu_float32 = query.dtype == torch.float32 and query.device.type == "cpu"
+    attend = ops if cpu_float32 else kernels
+    attend.mla_attention(
         out, query, latent, batch.block_tables, batch.seq_lens,
         batch.query_start_loc if batch.max_query_len > 1 else None, batch.max_seq_len,
         batch.max_query_len, scale, kv_scale, None)

@@ -1,0 +1,4 @@
+// nvcc translation unit of the MLA tensor-core attention kernels with __half queries (torch-free).
+#include "kernels/attention_mla.cuh"
+
+PAGEDKV_INSTANTIATE_MLA_ATTENTION(__half)
