@@ -142,12 +142,22 @@ def standard_rows(kernels, devices) -> list[dict]:
 
 def tensor_core_rows(kernels, usage) -> list[dict]:
     """Per tensor-core configuration (bf16 queries): one pass of the main loop (one warp, one
-    key tile), its whole body and its common path; FlashAttention-2's loop per arch."""
+    key tile), its whole body and its common path; the MLA kernel's at DeepSeek's rank 512
+    ("mla 16" and "mla 64": its tile rows; head: the 576-wide latent row);
+    FlashAttention-2's loop per arch."""
     rows = []
     for (arch, query, cache, head, kind), k in sorted(tc.tc_kernels(kernels).items()):
         if query == "bf16" and cache in CACHES:
             rows.append({"arch": arch, "kind": kind, "cache": cache, "head": head,
                          "kernel": k.demangled, **_tile_row(k, usage)})
+    for (arch, query, cache, rank, tile_rows), k in sorted(tc.mla_kernels(kernels).items()):
+        if query == "bf16" and cache in CACHES and rank == 512:
+            row = {"arch": arch, "kind": f"mla {tile_rows}", "cache": cache, "head": rank + 64,
+                   "kernel": k.demangled}
+            try:
+                rows.append(row | _tile_row(k, usage))
+            except ValueError as e:  # the loop model finds no main loop (sm_80 fp8, 16 rows)
+                rows.append(row | {"skipped": str(e)})
     for arch in ARCHS:
         k, reason = fa2_kernel(arch)
         row = {"arch": arch, "kind": "FA2 fwd", "cache": "bf16", "head": 128}

@@ -34,7 +34,8 @@ from bench.sass.loop import LoopProfile, profile_loop
 from pagedkv.tools.costmodel import DevicePreset
 
 __all__ = ["MMA_FLOP", "MMA_SYNC_SHARE", "Decode", "Prefill", "TcEstimate", "TileCost",
-           "TileGeometry", "boundary_cost", "estimate", "geometry", "tc_kernels", "tile_cost"]
+           "TileGeometry", "boundary_cost", "estimate", "geometry", "mla_kernels", "tc_kernels",
+           "tile_cost"]
 
 MMA_FLOP = 2 * 16 * 8 * 16  # one HMMA.16816: D[16][8] += A[16][16] B[16][8]
 MMA_SYNC_SHARE = {"sm_80": 1.0, "sm_90": 2 / 3}  # of the dense bf16 peak, see above
@@ -43,6 +44,7 @@ SHARED_BYTES_PER_SM_CLOCK = 128  # 32 banks of 4 bytes (CUDA C++ Programming Gui
 _TYPES = {"__nv_bfloat16": "bf16", "__half": "f16", "pagedkv::fp8_e4m3": "fp8_e4m3",
           "pagedkv::fp8_e5m2": "fp8_e5m2"}
 _TC = re.compile(r"paged_attention_tc_kernel<([^,]+), ([^,]+), (\d+), (\d+), (\d+), (\d+)>")
+_MLA = re.compile(r"mla_attention_tc_kernel<([^,]+), ([^,]+), (\d+), (\d+)>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,18 @@ def geometry(kernel: Kernel) -> TileGeometry:
         raise ValueError(f"not a tensor-core attention kernel: {kernel.demangled or kernel.name}")
     wm, wn, bn = int(m[4]), int(m[5]), int(m[6])
     return TileGeometry(16 * wm, bn, wm * wn)
+
+
+def mla_kernels(kernels: list[Kernel]) -> dict[tuple[str, str, str, int, int], Kernel]:
+    """``(arch, query, cache, padded rank, rows) -> kernel`` of the MLA kernel
+    ``mla_attention_tc_kernel<T, C, DV, WM>``: tiles of 16 x WM rows over 32 keys, 2 x WM warps
+    (docs/cuda_attention.md, MLA kernel)."""
+    found = {}
+    for k in kernels:
+        if m := _MLA.search(k.demangled or ""):
+            found[(k.arch, _TYPES.get(m[1], m[1]), _TYPES.get(m[2], m[2]), int(m[3]),
+                   16 * int(m[4]))] = k
+    return found
 
 
 def tc_kernels(kernels: list[Kernel]) -> dict[tuple[str, str, str, int, str], Kernel]:
