@@ -41,7 +41,7 @@ from pagedkv.integrations.hf_step import LayerOptions
 from pagedkv.serving.config import hf_sliding_windows
 from pagedkv.serving.parallel import TensorParallel
 
-__all__ = ["ServedConfig", "TransformersForCausalLM"]
+__all__ = ["ServedConfig", "TransformersForCausalLM", "random_causal_lm"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,3 +168,14 @@ class EngineStep:
         ``[T, heads, kv_lora_rank]``."""
         return hf_mla.write_and_attend(self.cache, self.batch, layer, query, kv_c, k_pe,
                                        scale, self.model.kernels)
+
+
+def random_causal_lm(config_class: str, seed: int = 0, **config: Any) -> TransformersForCausalLM:
+    """A transformers causal LM of the config ``transformers.<config_class>(**config)`` with
+    seeded random weights (transformers' own initialization), as an ``LLMEngine`` model: a
+    model to serve with no download (``pagedkv demo --model deepseek``)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_config = getattr(transformers, config_class)(**config)
+    return TransformersForCausalLM(transformers.AutoModelForCausalLM.from_config(hf_config))

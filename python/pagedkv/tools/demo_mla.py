@@ -16,6 +16,7 @@ demo's requests each form holds in the demo's budget, and the same bytes for Dee
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from typing import Any
 
@@ -54,14 +55,10 @@ def _shape(config: dict[str, Any]) -> MLAShape:
 def deepseek_model(max_model_len: int, seed: int = 0) -> torch.nn.Module:
     """``TINY_CONFIG``'s DeepseekV3ForCausalLM with seeded random weights (transformers' own
     init, std 0.1), as an ``LLMEngine`` model. Raises ImportError without transformers."""
-    import transformers
+    from pagedkv.integrations.hf_engine import random_causal_lm
 
-    from pagedkv.integrations.hf_engine import TransformersForCausalLM
-
-    torch.manual_seed(seed)
-    config = transformers.DeepseekV3Config(**TINY_CONFIG,
-                                           max_position_embeddings=max_model_len)
-    return TransformersForCausalLM(transformers.DeepseekV3ForCausalLM(config))
+    return random_causal_lm("DeepseekV3Config", seed, **TINY_CONFIG,
+                            max_position_embeddings=max_model_len)
 
 
 def _fit(requests: list[tuple[list[int], int]], bytes_per_token: int, budget: int,
@@ -187,9 +184,7 @@ def run(args: argparse.Namespace) -> int:
     exit status 2 for ``--tp`` above 1 or without transformers, 1 when the runs' tokens differ."""
     if args.tp != 1:
         args.parser.error(f"argument --tp: --model deepseek runs on one rank, got {args.tp}")
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("transformers") is None:
         args.parser.error("argument --model: deepseek needs transformers "
                           "(pip install 'pagedkv[hf]')")
     if args.threads:
