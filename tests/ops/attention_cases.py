@@ -138,11 +138,15 @@ def max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff.max().item() if diff.numel() else 0.0
 
 
-def check(args: dict) -> None:
-    """The kernel's out / lse_out (already computed in args) against the float64 reference."""
-    want, want_lse = reference_outputs(args, torch.float64)
-    torch_out, torch_lse = reference_outputs(args, torch.float32)
-    floor = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}[args["out"].dtype]
+def check(args: dict, reference_of=None, float32_floor: float = 1e-6) -> None:
+    """The kernel's out / lse_out (already computed in args) against the float64 reference:
+    ``reference_of(args, compute_dtype) -> (out, lse)``, paged_attention's by default (the MLA
+    suite passes its own, and a floor for its 576-long float32 dot products)."""
+    reference_of = reference_of or reference_outputs
+    want, want_lse = reference_of(args, torch.float64)
+    torch_out, torch_lse = reference_of(args, torch.float32)
+    floor = {torch.float32: float32_floor, torch.float16: 1e-4,
+             torch.bfloat16: 1e-3}[args["out"].dtype]
     err, torch_err = max_err(args["out"], want), max_err(torch_out, want)
     assert err <= 2 * torch_err + floor, f"out error {err:.3g}, torch's {torch_err:.3g}"
     if args["lse_out"] is not None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 
+import attention_cases
 import pytest
 import torch
-from attention_cases import max_err
 
 from pagedkv import ops
 from pagedkv.ops import reference
@@ -116,14 +116,7 @@ def reference_outputs(args: dict, compute_dtype: torch.dtype):
 
 
 def check(args: dict) -> None:
-    want, want_lse = reference_outputs(args, torch.float64)
-    torch_out, torch_lse = reference_outputs(args, torch.float32)
-    floor = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}[args["out"].dtype]
-    err, torch_err = max_err(args["out"], want), max_err(torch_out, want)
-    assert err <= 2 * torch_err + floor, f"out error {err:.3g}, float32 reference's {torch_err:.3g}"
-    if args["lse_out"] is not None:
-        err, torch_err = max_err(args["lse_out"], want_lse), max_err(torch_lse, want_lse)
-        assert err <= 2 * torch_err + 2e-5, f"lse error {err:.3g}, reference's {torch_err:.3g}"
+    attention_cases.check(args, reference_outputs, float32_floor=1e-5)
 
 
 MODES = {
