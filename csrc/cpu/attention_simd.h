@@ -35,6 +35,7 @@ struct bf16_t { uint16_t bits; };
 struct f16_t { uint16_t bits; };
 struct e4m3_t { uint8_t bits; };
 struct e5m2_t { uint8_t bits; };
+struct i4x2_t { uint8_t bits; };  // two signed 4-bit elements (DType::kInt4): 2i low, 2i + 1 high
 
 template <typename V, typename T>
 inline V load_raw(const T* p) {
@@ -229,6 +230,30 @@ inline vf load_float(const e4m3_t* p) {
   const vf f = half_to_float(((x & 0x7F) << 7) | ((x & 0x80) << 8));
   const vi is_nan = __builtin_convertvector((x & 0x7F) == 0x7F, vi);  // S.1111.111
   return is_nan ? splat(__builtin_nanf("")) : f;
+}
+
+typedef int8_t vsb __attribute__((vector_size(W)));
+inline vf load_float(const int8_t* p) { return __builtin_convertvector(load_raw<vsb>(p), vf); }
+
+// The 2n signed 4-bit elements of n bytes of an int4 row as int8 (n a multiple of W / 2).
+inline void unpack_int4(const i4x2_t* src, int n, int8_t* dst) {
+  typedef int8_t v16 __attribute__((vector_size(16)));
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16 x = load_raw<v16>(src + i);
+    const v16 lo = (x << 4) >> 4, hi = x >> 4;  // arithmetic shifts: the nibbles sign-extended
+    const v16 a = __builtin_shufflevector(lo, hi, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6,
+                                          22, 7, 23);
+    const v16 b = __builtin_shufflevector(lo, hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29,
+                                          14, 30, 15, 31);
+    std::memcpy(dst + 2 * i, &a, 16);
+    std::memcpy(dst + 2 * i + 16, &b, 16);
+  }
+  for (; i < n; ++i) {
+    const int8_t x = static_cast<int8_t>(src[i].bits);
+    dst[2 * i] = static_cast<int8_t>(static_cast<int8_t>(x << 4) >> 4);
+    dst[2 * i + 1] = static_cast<int8_t>(x >> 4);
+  }
 }
 
 template <typename T>

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -43,6 +44,72 @@ void write_row(const Src* src, Cache* dst, int64_t n, float scale, bool streamin
   }
 }
 
+// Per-(token, head) quantization (ReshapeAndCacheParams' key_scales): a row of n elements into
+// its cache row (int8_t; uint8_t: int4 pairs, n / 2 bytes; fp8) with the scale of its own,
+// returned. Written as torch computes pagedkv.reference.quantize_rows: float32 absmax (NaN
+// propagates), scale = absmax / qmax, x / scale rounded half to even, saturated.
+template <typename Cache>
+constexpr DType kTokenScaled = std::is_same_v<Cache, int8_t>    ? DType::kInt8
+                               : std::is_same_v<Cache, uint8_t> ? DType::kInt4
+                               : std::is_same_v<Cache, c10::Float8_e4m3fn> ? DType::kFp8E4M3
+                                                                           : DType::kFp8E5M2;
+
+inline int32_t round_int(float x, float qmax) {
+  const float r = std::nearbyint(x);
+  return r != r ? 0 : static_cast<int32_t>(std::clamp(r, -qmax, qmax));  // NaN: any value
+}
+
+template <typename Src, typename Cache>
+float write_scaled_row(const Src* src, Cache* dst, int64_t n) {
+  constexpr float qmax = quant_max(kTokenScaled<Cache>);
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(static_cast<float>(src[i]));
+    amax = a > amax || a != a ? a : amax;
+  }
+  const float scale = amax / qmax;
+  const bool zero = scale == 0.f;
+  if constexpr (std::is_same_v<Cache, int8_t>) {
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] = zero ? 0 : static_cast<int8_t>(round_int(static_cast<float>(src[i]) / scale, qmax));
+  } else if constexpr (std::is_same_v<Cache, uint8_t>) {
+    for (int64_t i = 0; i < n; i += 2) {
+      const int32_t lo = zero ? 0 : round_int(static_cast<float>(src[i]) / scale, qmax);
+      const int32_t hi = zero ? 0 : round_int(static_cast<float>(src[i + 1]) / scale, qmax);
+      dst[i / 2] = static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] = zero ? Cache(0.f) : quantize<Cache>(static_cast<float>(src[i]) / scale);
+  }
+  return scale;
+}
+
+template <typename Src, typename Cache>
+void reshape_and_cache_scaled(const ReshapeAndCacheParams& p) {
+  const int64_t token_bytes = 2 * p.num_kv_heads * p.head_size * sizeof(Src);
+  const PagedKV<Cache> k_cache = p.key_cache.as<Cache>();
+  const PagedKV<Cache> v_cache = p.value_cache.as<Cache>();
+  const PagedKV<float> k_scales = p.key_scales.as<float>();
+  const PagedKV<float> v_scales = p.value_scales.as<float>();
+  at::parallel_for(0, p.num_tokens, grain_for(token_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = p.slot_mapping[t];
+      if (slot < 0) continue;
+      const PagedKVSlot at = k_cache.locate(slot);
+      const Src* key = static_cast<const Src*>(p.key) + t * p.key_token_stride;
+      const Src* value = static_cast<const Src*>(p.value) + t * p.value_token_stride;
+      for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+        k_scales.row(at)[h * k_scales.strides.head] = write_scaled_row(
+            key + h * p.key_head_stride, k_cache.row(at) + h * k_cache.strides.head, p.head_size);
+        v_scales.row(at)[h * v_scales.strides.head] =
+            write_scaled_row(value + h * p.value_head_stride,
+                             v_cache.row(at) + h * v_cache.strides.head, p.head_size);
+      }
+    }
+  });
+}
+
 template <typename Src, typename Cache>
 void reshape_and_cache_typed(const ReshapeAndCacheParams& p) {
   const float k_scale = p.k_scale ? *p.k_scale : 1.f;
@@ -73,6 +140,14 @@ void reshape_and_cache_typed(const ReshapeAndCacheParams& p) {
 
 template <typename Src>
 void reshape_and_cache_src(const ReshapeAndCacheParams& p) {
+  if (p.key_scales.data != nullptr) {
+    switch (p.cache_dtype) {
+      case DType::kInt8: return reshape_and_cache_scaled<Src, int8_t>(p);
+      case DType::kInt4: return reshape_and_cache_scaled<Src, uint8_t>(p);
+      case DType::kFp8E4M3: return reshape_and_cache_scaled<Src, c10::Float8_e4m3fn>(p);
+      default: return reshape_and_cache_scaled<Src, c10::Float8_e5m2>(p);
+    }
+  }
   switch (p.cache_dtype) {
     case DType::kFp8E4M3: return reshape_and_cache_typed<Src, c10::Float8_e4m3fn>(p);
     case DType::kFp8E5M2: return reshape_and_cache_typed<Src, c10::Float8_e5m2>(p);

@@ -30,6 +30,23 @@ inline DType dtype_of(const at::Tensor& t, const char* op, const char* name) {
   }
 }
 
+// A cache's dtype: dtype_of's, or int8 (kInt8) and uint8 (kInt4: two 4-bit elements a byte),
+// the per-(token, head) quantized formats.
+inline DType cache_dtype_of(const at::Tensor& t, const char* op, const char* name) {
+  if (t.scalar_type() == at::kChar) return DType::kInt8;
+  if (t.scalar_type() == at::kByte) return DType::kInt4;
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf ||
+                  t.scalar_type() == at::kBFloat16 || is_fp8(t.scalar_type()),
+              op, ": ", name, " must be float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, "
+              "int8 or uint8 (int4, two a byte), got ", t.scalar_type());
+  return dtype_of(t, op, name);
+}
+
+inline bool is_int_cache(DType t) { return t == DType::kInt8 || t == DType::kInt4; }
+
+// Elements of a cache row of `dim` stored units (an int4 byte holds two).
+inline int64_t row_elements(DType t, int64_t dim) { return t == DType::kInt4 ? 2 * dim : dim; }
+
 inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const char* name,
                       const char* shape) {
   TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D ", shape, ", got shape ",
@@ -52,7 +69,7 @@ inline void check_index(const at::Tensor& t, at::ScalarType dtype, const char* o
 // A per-layer cache [num_blocks, num_kv_heads, block_size, head_size], last dim contiguous.
 inline void check_cache(const at::Tensor& cache, const char* op, const char* name) {
   check_dim(cache, 4, op, name, "[num_blocks, num_kv_heads, block_size, head_size]");
-  dtype_of(cache, op, name);
+  cache_dtype_of(cache, op, name);
   TORCH_CHECK(cache.stride(3) == 1, op, ": ", name,
               " must have a contiguous last (head_size) dim, got strides ", cache.strides());
 }
@@ -89,21 +106,59 @@ inline bool index_checks_enabled(const at::Tensor& index) {
   return index.is_cpu() || forced;
 }
 
-// A scale argument of fp8 caches: float32, one element, on the cache's device.
+// A per-tensor scale argument of fp8 caches: float32, one element, on the cache's device;
+// refused for other caches and with per-(token, head) scales (token_scales).
 inline const float* scale_ptr(const c10::optional<at::Tensor>& scale, const at::Tensor& cache,
-                              const char* op, const char* name) {
-  if (!is_fp8(cache.scalar_type())) {
-    TORCH_CHECK(!scale.has_value(), op, ": ", name, " is only used with fp8 caches, got a ",
-                cache.scalar_type(), " cache");
+                              const char* op, const char* name, bool token_scales = false) {
+  if (!is_fp8(cache.scalar_type()) || token_scales) {
+    TORCH_CHECK(!scale.has_value(), op, ": ", name, " is only used with fp8 caches of "
+                "per-tensor scales, got a ", cache.scalar_type(), " cache",
+                token_scales ? " with per-(token, head) scales" : "");
     return nullptr;
   }
   TORCH_CHECK(scale.has_value(), op, ": ", name, " is required with an ", cache.scalar_type(),
-              " cache");
+              " cache (or per-(token, head) scales instead of k_scale and v_scale)");
   TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == 1, op, ": ", name,
               " must be a float32 tensor of one element, got ", scale->scalar_type(), " of shape ",
               scale->sizes());
   check_device(*scale, cache, op, name, "the cache");
   return scale->data_ptr<float>();
+}
+
+// Whether a cache of `dtype` is read and written with per-(token, head) scales: int8 and int4
+// always, fp8 when its per-(token, head) scales are given (else it takes per-tensor scales).
+inline bool token_scaled(DType dtype, const c10::optional<at::Tensor>& token_scales) {
+  return is_int_cache(dtype) ||
+         ((dtype == DType::kFp8E4M3 || dtype == DType::kFp8E5M2) && token_scales.has_value());
+}
+
+// The per-(token, head) scales of a cache [num_blocks, num_kv_heads, block_size, ...] (checked),
+// argument `name`: float32 [num_blocks, num_kv_heads, block_size] on its device, any strides.
+// Required when the cache is token_scaled, refused otherwise. Returns the kernels' view (data
+// null when absent).
+inline PagedKVView scales_of(const c10::optional<at::Tensor>& scales, const at::Tensor& cache,
+                             bool token_scales, const char* op, const char* name,
+                             const char* cache_name) {
+  const int32_t block_size = static_cast<int32_t>(cache.size(2));
+  if (!token_scales) {
+    TORCH_CHECK(!scales.has_value(), op, ": ", name, " is only used with int8, int4 (uint8) "
+                "and per-(token, head) fp8 caches, got a ", cache.scalar_type(), " cache",
+                is_fp8(cache.scalar_type()) ? " with per-tensor scales" : "");
+    return {nullptr, {0, 0, 0}, block_size};
+  }
+  TORCH_CHECK(scales.has_value(), op, ": ", name, " is required with a ", cache.scalar_type(),
+              " cache of per-(token, head) scales (float32 [num_blocks, num_kv_heads, "
+              "block_size])");
+  const at::Tensor& s = *scales;
+  TORCH_CHECK(s.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
+              s.scalar_type());
+  TORCH_CHECK(s.dim() == 3 && s.size(0) == cache.size(0) && s.size(1) == cache.size(1) &&
+                  s.size(2) == cache.size(2),
+              op, ": ", name, " must be [num_blocks, num_kv_heads, block_size] = [", cache.size(0),
+              ", ", cache.size(1), ", ", cache.size(2), "] to match ", cache_name, ", got ",
+              s.sizes());
+  check_device(s, cache, op, name, cache_name);
+  return {s.data_ptr(), {s.stride(0), s.stride(1), s.stride(2)}, block_size};
 }
 
 // Query, out, partial outputs: [num_tokens, num_heads, head_size] in float32/16, bfloat16.

@@ -9,6 +9,9 @@
 //   sliding window w > 0, qp - kp < w.
 // - logit = scale * q.k (k dequantized: x * k_scale for fp8); soft cap: cap * tanh(logit / cap);
 //   ALiBi: + slope[head] * (kp - qp); out = softmax(logits) . v; lse = log(sum(exp(logits))).
+// - Per-(token, head) quantized caches (int8, int4, fp8 with key_scales / value_scales): k and v
+//   are the stored elements times their row's scale (key_scales / value_scales at the row's
+//   block, head and token), k_scale / v_scale absent.
 // - Sinks (gpt-oss, vLLM's s_aux): sinks[head] is the logit of one more, virtual key whose value
 //   is 0. It enters the softmax's denominator once (never once per split-K partition) and the
 //   lse: out = sum_k e^(l_k) v_k / (e^s + sum_k e^(l_k)), lse = log(e^s + sum_k e^(l_k)). A row
@@ -42,6 +45,8 @@ struct PagedAttentionParams {
   const float* alibi_slopes;       // [num_heads], or nullptr
   const float* k_scale;            // [1], fp8 caches only, else nullptr
   const float* v_scale;            // [1], fp8 caches only, else nullptr
+  PagedKVView key_scales;          // float32 [num_blocks, num_kv_heads, block_size]: a scale per
+  PagedKVView value_scales;        // row of a per-(token, head) quantized cache; data null else
   float* lse_out;                  // [num_tokens, num_heads] float32, or nullptr
   int64_t lse_token_stride, lse_head_stride;
   const float* sinks;              // [num_heads] float32 logits, or nullptr
@@ -55,7 +60,9 @@ struct PagedAttentionParams {
   float scale;
   float soft_cap;                  // > 0, or 0 = off
   DType dtype;                     // of query and out: kFloat32, kFloat16 or kBFloat16
-  DType cache_dtype;               // dtype, or kFp8E4M3 / kFp8E5M2 with k_scale and v_scale
+  DType cache_dtype;               // dtype, or kFp8E4M3 / kFp8E5M2 with k_scale and v_scale or
+                                   // with key_scales and value_scales, or kInt8 / kInt4 with
+                                   // key_scales and value_scales
 };
 
 // A finished row's sink (see above): its lse over the keys becomes log(e^lse + e^sink) and its

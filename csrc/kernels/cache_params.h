@@ -7,7 +7,20 @@
 
 namespace pagedkv {
 
-enum class DType : int32_t { kFloat32, kFloat16, kBFloat16, kFp8E4M3, kFp8E5M2 };
+// kInt8: signed int8 (-127..127); kInt4: signed 4-bit (-7..7), two per byte (element 2i in the
+// low nibble of byte i, 2i + 1 in the high one), a uint8 tensor of head_size / 2 per row. Both are
+// cache formats with one scale per (token, head) only (docs/quantized_kv.md).
+enum class DType : int32_t { kFloat32, kFloat16, kBFloat16, kFp8E4M3, kFp8E5M2, kInt8, kInt4 };
+
+// The largest magnitude a per-(token, head) quantized element stores: a row's scale is its
+// absmax / this, and element x is stored as round(x / scale) (fp8: its rounding, saturating).
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline constexpr float quant_max(DType t) {
+  return t == DType::kInt8 ? 127.f : t == DType::kInt4 ? 7.f : t == DType::kFp8E4M3 ? 448.f
+                                                                                    : 57344.f;
+}
 
 struct ReshapeAndCacheParams {
   const void* key;          // [num_tokens, num_kv_heads, head_size]
@@ -19,8 +32,13 @@ struct ReshapeAndCacheParams {
   const int64_t* slot_mapping;  // [num_tokens]; block_id * block_size + offset, < 0 = padding
   const float* k_scale;     // [1], fp8 caches only (else nullptr): cache = sat(key / k_scale)
   const float* v_scale;     // [1], fp8 caches only
+  // Per-(token, head) scales, float32 [num_blocks, num_kv_heads, block_size] in the views'
+  // strides (block, head, token; block_size as the caches'): written beside each row, scale =
+  // absmax(row) / quant_max(cache_dtype), 0 for a row of zeros (stored as zeros). Set (data not
+  // null) for int8 and int4 caches and for fp8 caches without k_scale / v_scale.
+  PagedKVView key_scales, value_scales;
   int64_t num_tokens;
-  int32_t num_kv_heads, head_size;
+  int32_t num_kv_heads, head_size;  // head_size in elements (an int4 row holds head_size / 2 bytes)
   DType src_dtype, cache_dtype;
 };
 

@@ -18,7 +18,8 @@ inline constexpr char kPagedAttentionSchema[] =
     "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
     "Tensor block_tables, Tensor seq_lens, Tensor? query_start_loc, int max_seq_len, "
     "int max_query_len, float scale, Tensor? alibi_slopes, int sliding_window, float soft_cap, "
-    "Tensor? k_scale, Tensor? v_scale, Tensor(b!)? lse_out, Tensor? sinks=None) -> ()";
+    "Tensor? k_scale, Tensor? v_scale, Tensor(b!)? lse_out, Tensor? sinks=None, "
+    "Tensor? key_cache_scales=None, Tensor? value_cache_scales=None) -> ()";
 
 // Index contents (lengths, query_start_loc, block ids), checked when readable for free.
 inline void check_attention_indices(const PagedAttentionParams& p, const at::Tensor& block_tables,
@@ -111,7 +112,8 @@ inline PagedAttentionParams paged_attention_params(
     double scale, const c10::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
     double soft_cap, const c10::optional<at::Tensor>& k_scale,
     const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lse_out,
-    const c10::optional<at::Tensor>& sinks) {
+    const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& key_cache_scales,
+    const c10::optional<at::Tensor>& value_cache_scales) {
   constexpr const char* op = "paged_attention";
   const DType dtype = check_rows(query, op, "query");
   check_like(out, query, op, "out", "query");
@@ -122,7 +124,10 @@ inline PagedAttentionParams paged_attention_params(
   const int64_t num_tokens = query.size(0), num_heads = query.size(1);
   const int64_t head_size = query.size(2);
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_size, op, ": key_cache head_size ", key_cache.size(3),
+  const DType cache_dtype = cache_dtype_of(key_cache, op, "key_cache");
+  TORCH_CHECK(row_elements(cache_dtype, key_cache.size(3)) == head_size, op,
+              ": key_cache head_size ", row_elements(cache_dtype, key_cache.size(3)),
+              cache_dtype == DType::kInt4 ? " (int4: two a byte)" : "",
               " must match query's head_size ", head_size);
   TORCH_CHECK(head_size >= 8 && head_size <= kMaxAttentionHeadSize && head_size % 8 == 0, op,
               ": head_size must be a multiple of 8 in [8, ", kMaxAttentionHeadSize, "], got ", head_size);
@@ -131,12 +136,17 @@ inline PagedAttentionParams paged_attention_params(
               block_size);
   TORCH_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, op, ": num_heads ", num_heads,
               " must be a multiple of num_kv_heads ", num_kv_heads);
-  const DType cache_dtype = dtype_of(key_cache, op, "key_cache");
-  TORCH_CHECK(is_fp8(key_cache.scalar_type()) || key_cache.scalar_type() == query.scalar_type(),
+  TORCH_CHECK(is_fp8(key_cache.scalar_type()) || is_int_cache(cache_dtype) ||
+                  key_cache.scalar_type() == query.scalar_type(),
               op, ": key_cache must have query's dtype ", query.scalar_type(),
-              " or be fp8, got ", key_cache.scalar_type());
-  const float* k_scale_ptr = scale_ptr(k_scale, key_cache, op, "k_scale");
-  const float* v_scale_ptr = scale_ptr(v_scale, key_cache, op, "v_scale");
+              " or be fp8, int8 or uint8 (int4), got ", key_cache.scalar_type());
+  const bool token_scales = token_scaled(cache_dtype, key_cache_scales);
+  const float* k_scale_ptr = scale_ptr(k_scale, key_cache, op, "k_scale", token_scales);
+  const float* v_scale_ptr = scale_ptr(v_scale, key_cache, op, "v_scale", token_scales);
+  const PagedKVView key_scales =
+      scales_of(key_cache_scales, key_cache, token_scales, op, "key_cache_scales", "key_cache");
+  const PagedKVView value_scales = scales_of(value_cache_scales, value_cache, token_scales, op,
+                                             "value_cache_scales", "value_cache");
 
   TORCH_CHECK(sliding_window == -1 || sliding_window > 0, op,
               ": sliding_window must be -1 (off) or > 0, got ", sliding_window);
@@ -173,6 +183,8 @@ inline PagedAttentionParams paged_attention_params(
   p.alibi_slopes = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
   p.k_scale = k_scale_ptr;
   p.v_scale = v_scale_ptr;
+  p.key_scales = key_scales;
+  p.value_scales = value_scales;
   p.lse_out = lse_out ? lse_out->data_ptr<float>() : nullptr;
   p.lse_token_stride = lse_out ? lse_out->stride(0) : 0;
   p.lse_head_stride = lse_out ? lse_out->stride(1) : 0;
@@ -205,10 +217,13 @@ void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tens
                         double soft_cap, const c10::optional<at::Tensor>& k_scale,
                         const c10::optional<at::Tensor>& v_scale,
                         const c10::optional<at::Tensor>& lse_out,
-                        const c10::optional<at::Tensor>& sinks) {
+                        const c10::optional<at::Tensor>& sinks,
+                        const c10::optional<at::Tensor>& key_cache_scales,
+                        const c10::optional<at::Tensor>& value_cache_scales) {
   Run(paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
                              query_start_loc, max_seq_len, max_query_len, scale, alibi_slopes,
-                             sliding_window, soft_cap, k_scale, v_scale, lse_out, sinks),
+                             sliding_window, soft_cap, k_scale, v_scale, lse_out, sinks,
+                             key_cache_scales, value_cache_scales),
       query);
 }
 

@@ -10,33 +10,40 @@
 namespace pagedkv {
 
 // Write new tokens' K/V into their cache slots (slot = block_id * block_size + offset; a negative
-// slot is padding). fp8 caches quantize with the per-tensor scales.
+// slot is padding). fp8 caches quantize with the per-tensor scales, or compute a scale per
+// (token, head) into key_cache_scales / value_cache_scales, as int8 and int4 caches always do.
 inline constexpr char kReshapeAndCacheSchema[] =
     "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-    "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()";
+    "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None, "
+    "Tensor(c!)? key_cache_scales=None, Tensor(d!)? value_cache_scales=None) -> ()";
 
 inline ReshapeAndCacheParams reshape_and_cache_params(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+    const c10::optional<at::Tensor>& key_cache_scales,
+    const c10::optional<at::Tensor>& value_cache_scales) {
   constexpr const char* op = "reshape_and_cache";
   check_cache_pair(key_cache, value_cache, op);
   check_dim(key, 3, op, "key", "[num_tokens, num_kv_heads, head_size]");
   TORCH_CHECK(key.sizes() == value.sizes(), op, ": value must have key's shape ", key.sizes(),
               ", got ", value.sizes());
   const int64_t num_tokens = key.size(0);
-  TORCH_CHECK(key.size(1) == key_cache.size(1) && key.size(2) == key_cache.size(3), op,
-              ": key must be [num_tokens, ", key_cache.size(1), ", ", key_cache.size(3),
-              "] to match key_cache, got ", key.sizes());
+  const DType cache_dtype = cache_dtype_of(key_cache, op, "key_cache");
+  const int64_t head_size = row_elements(cache_dtype, key_cache.size(3));
+  TORCH_CHECK(key.size(1) == key_cache.size(1) && key.size(2) == head_size, op,
+              ": key must be [num_tokens, ", key_cache.size(1), ", ", head_size,
+              "] to match key_cache", cache_dtype == DType::kInt4 ? " (int4: two a byte)" : "",
+              ", got ", key.sizes());
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, op,
               ": key and value must have a contiguous last dim, got strides ", key.strides(),
               " and ", value.strides());
   const DType src = dtype_of(key, op, "key");
   TORCH_CHECK(value.scalar_type() == key.scalar_type(), op, ": value must have key's dtype ",
               key.scalar_type(), ", got ", value.scalar_type());
-  if (is_fp8(key_cache.scalar_type())) {
+  if (is_fp8(key_cache.scalar_type()) || is_int_cache(cache_dtype)) {
     TORCH_CHECK(!is_fp8(key.scalar_type()), op,
-                ": key must be float32, float16 or bfloat16 for an fp8 cache, got ",
+                ": key must be float32, float16 or bfloat16 for a quantized cache, got ",
                 key.scalar_type());
   } else {
     TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), op,
@@ -50,8 +57,13 @@ inline ReshapeAndCacheParams reshape_and_cache_params(
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens, op,
               ": slot_mapping must be [num_tokens] = [", num_tokens, "], got ",
               slot_mapping.sizes());
-  const float* k_scale_ptr = scale_ptr(k_scale, key_cache, op, "k_scale");
-  const float* v_scale_ptr = scale_ptr(v_scale, key_cache, op, "v_scale");
+  const bool token_scales = token_scaled(cache_dtype, key_cache_scales);
+  const float* k_scale_ptr = scale_ptr(k_scale, key_cache, op, "k_scale", token_scales);
+  const float* v_scale_ptr = scale_ptr(v_scale, key_cache, op, "v_scale", token_scales);
+  const PagedKVView key_scales =
+      scales_of(key_cache_scales, key_cache, token_scales, op, "key_cache_scales", "key_cache");
+  const PagedKVView value_scales = scales_of(value_cache_scales, value_cache, token_scales, op,
+                                             "value_cache_scales", "value_cache");
   const int64_t num_slots = key_cache.size(0) * key_cache.size(2);
   if (index_checks_enabled(slot_mapping) && num_tokens > 0) {
     const int64_t max_slot = slot_mapping.max().item<int64_t>();
@@ -71,12 +83,21 @@ inline ReshapeAndCacheParams reshape_and_cache_params(
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
   p.k_scale = k_scale_ptr;
   p.v_scale = v_scale_ptr;
+  p.key_scales = key_scales;
+  p.value_scales = value_scales;
   p.num_tokens = num_tokens;
   p.num_kv_heads = static_cast<int32_t>(key_cache.size(1));
-  p.head_size = static_cast<int32_t>(key_cache.size(3));
+  p.head_size = static_cast<int32_t>(head_size);
   p.src_dtype = src;
-  p.cache_dtype = dtype_of(key_cache, op, "key_cache");
+  p.cache_dtype = cache_dtype;
   return p;
+}
+
+// For the backends whose write kernel lacks the per-(token, head) formats (cuda, simt).
+inline void check_cache_write_kernel(const ReshapeAndCacheParams& p, const char* backend) {
+  TORCH_CHECK(!is_int_cache(p.cache_dtype) && p.key_scales.data == nullptr,
+              "reshape_and_cache (", backend, "): no kernel writes int8, int4 or "
+              "per-(token, head) fp8 caches on this backend yet; the cpu backend does");
 }
 
 // The backend's part: Run(params, key_cache) after the checks; key_cache places the work.
@@ -87,8 +108,11 @@ template <ReshapeAndCacheRun Run>
 void reshape_and_cache_op(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                           at::Tensor& value_cache, const at::Tensor& slot_mapping,
                           const c10::optional<at::Tensor>& k_scale,
-                          const c10::optional<at::Tensor>& v_scale) {
-  Run(reshape_and_cache_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale),
+                          const c10::optional<at::Tensor>& v_scale,
+                          const c10::optional<at::Tensor>& key_cache_scales,
+                          const c10::optional<at::Tensor>& value_cache_scales) {
+  Run(reshape_and_cache_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                               key_cache_scales, value_cache_scales),
       key_cache);
 }
 

@@ -95,7 +95,7 @@ inline SwapBlocksParams swap_blocks_params(const at::Tensor& src, const at::Tens
   TORCH_CHECK(src.device() == dst.device() || gpu_and_cpu, op,
               ": src and dst must be on one device or on a GPU and the CPU, got ", src.device(),
               " and ", dst.device());
-  dtype_of(src, op, "src");
+  cache_dtype_of(src, op, "src");
   TORCH_CHECK(src.dim() >= 2, op, ": src must be [num_blocks, ...], got shape ", src.sizes());
   TORCH_CHECK(dst.scalar_type() == src.scalar_type(), op, ": dst must have src's dtype ",
               src.scalar_type(), ", got ", dst.scalar_type());

@@ -42,6 +42,8 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key_cache_scales: torch.Tensor | None = None,
+    value_cache_scales: torch.Tensor | None = None,
 ) -> None:
     """Writes the K/V of new tokens into their cache slots.
 
@@ -53,11 +55,18 @@ def reshape_and_cache(
     key_cache, value_cache : Tensor
         ``[num_blocks, num_kv_heads, block_size, head_size]`` with a contiguous last dim (an NHD
         permutation or K/V views of one ``[num_blocks, 2, ...]`` tensor work as they are). Same
-        dtype as ``key``, or fp8 (``float8_e4m3fn`` / ``float8_e5m2``) with scales.
+        dtype as ``key``, or fp8 (``float8_e4m3fn`` / ``float8_e5m2``) with scales, or a
+        per-(token, head) quantized format: int8, or int4 as ``uint8`` of ``head_size / 2``
+        (two elements a byte, element ``2i`` in the low nibble).
     slot_mapping : Tensor
         int64 ``[num_tokens]``: ``block_id * block_size + offset``; negative entries are padding.
     k_scale, v_scale : Tensor, optional
-        float32, one element, required with fp8 caches: stored = saturate(x / scale).
+        float32, one element, for fp8 caches of per-tensor scales: stored = saturate(x / scale).
+    key_cache_scales, value_cache_scales : Tensor, optional
+        float32 ``[num_blocks, num_kv_heads, block_size]`` (any strides), written: each row's
+        scale ``absmax(row) / qmax`` (qmax 127 for int8, 7 for int4, the format's largest
+        finite value for fp8), the row stored as ``round(x / scale)`` (fp8: saturating). Required
+        with int8 and int4 caches; with an fp8 cache, in place of ``k_scale`` / ``v_scale``.
 
     Example
     -------
@@ -66,7 +75,8 @@ def reshape_and_cache(
     >>> reshape_and_cache(k, v, kc, vc, torch.tensor([17, 18, -1]))
     """
     torch.ops.pagedkv.reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, key_cache_scales,
+        value_cache_scales,
     )
 
 
@@ -118,6 +128,8 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    key_cache_scales: torch.Tensor | None = None,
+    value_cache_scales: torch.Tensor | None = None,
 ) -> None:
     """Attention of each query token over its sequence's paged K/V cache, written into ``out``.
 
@@ -136,7 +148,10 @@ def paged_attention(
     key_cache, value_cache : Tensor
         ``[num_blocks, num_kv_heads, block_size, head_size]``, last dim contiguous, any other
         strides (NHD views, K/V views of one combined tensor). query's dtype, or fp8
-        (``float8_e4m3fn`` / ``float8_e5m2``) dequantized as ``x * k_scale`` / ``x * v_scale``.
+        (``float8_e4m3fn`` / ``float8_e5m2``) dequantized as ``x * k_scale`` / ``x * v_scale``,
+        or a per-(token, head) format (int8; int4 as ``uint8`` ``[..., head_size / 2]``; fp8)
+        dequantized as ``x * scale`` of the row's entry in ``key_cache_scales`` /
+        ``value_cache_scales`` (see :func:`reshape_and_cache`; the cpu backend only, for now).
         num_heads must be a multiple of num_kv_heads (GQA, MQA); block_size 1 to 256.
     block_tables : Tensor
         int32 ``[num_seqs, max_blocks_per_seq]``. Only the entries of blocks holding a key that
@@ -172,6 +187,10 @@ def paged_attention(
         e^l_k)``; not scaled, capped or biased. It enters once per row, however the keys are
         split: to merge partial results with :func:`merge_attn_states`, pass ``sinks`` to one
         part only. A row with no key gets zeros and lse ``sinks[h]``.
+    key_cache_scales, value_cache_scales : Tensor, optional
+        float32 ``[num_blocks, num_kv_heads, block_size]``, the rows' scales, as
+        :func:`reshape_and_cache` writes them: required with int8 and int4 caches, and with an
+        fp8 cache in place of ``k_scale`` / ``v_scale``.
 
     Example
     -------
@@ -184,7 +203,7 @@ def paged_attention(
     torch.ops.pagedkv.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         max_seq_len, max_query_len, scale, alibi_slopes, sliding_window, soft_cap, k_scale,
-        v_scale, lse_out, sinks,
+        v_scale, lse_out, sinks, key_cache_scales, value_cache_scales,
     )
 
 

@@ -13,14 +13,18 @@ __all__ = [
     "concat_and_cache_mla",
     "copy_blocks",
     "dequantize",
+    "dequantize_rows",
     "gather_cache",
     "gather_kv",
     "merge_attn_states",
     "mla_attention",
     "paged_attention",
+    "pack_int4",
     "quantize",
+    "quantize_rows",
     "reshape_and_cache",
     "swap_blocks",
+    "unpack_int4",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -41,6 +45,57 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return x.float() * scale.float()
 
 
+def row_qmax(dtype: torch.dtype) -> float:
+    """The largest magnitude a per-(token, head) quantized element of cache ``dtype`` stores:
+    127 (int8), 7 (int4, stored as uint8), the largest finite fp8 value."""
+    if dtype == torch.int8:
+        return 127.0
+    if dtype == torch.uint8:
+        return 7.0
+    return float(torch.finfo(dtype).max)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Integers in [-8, 7] (last dim even) as uint8, two a byte: element ``2i`` in the low
+    nibble of byte ``i``, ``2i + 1`` in the high one (two's complement nibbles)."""
+    nibbles = q.to(torch.int32) & 0xF
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`: int32 values in [-8, 7], twice the last dim."""
+    b = packed.to(torch.int32)
+    lo, hi = b & 0xF, b >> 4
+    both = torch.stack([lo, hi], dim=-1).flatten(-2)
+    return both - ((both & 0x8) << 1)
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(token, head) quantization of rows ``[..., head_size]`` into cache ``dtype`` (int8;
+    uint8 = int4 packed two a byte; fp8): ``(stored, scales)``. A row's scale is
+    ``absmax / row_qmax(dtype)`` in float32 (0 for a row of zeros, which stores zeros), its
+    elements ``round(x / scale)`` (half to even; fp8: the format's rounding, saturating)."""
+    xf = x.float()
+    scales = xf.abs().amax(dim=-1) / row_qmax(dtype)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))[..., None]
+    if dtype in FP8_DTYPES:
+        limit = torch.finfo(dtype).max
+        q = (xf / safe).clamp(-limit, limit)
+        q = torch.where(scales[..., None] > 0, q, torch.zeros_like(q)).to(dtype)
+        return q, scales
+    limit = row_qmax(dtype)
+    q = torch.round(xf / safe).clamp(-limit, limit)
+    q = torch.where(scales[..., None] > 0, q, torch.zeros_like(q))
+    return (pack_int4(q) if dtype == torch.uint8 else q.to(torch.int8)), scales
+
+
+def dequantize_rows(stored: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per-(token, head) quantized rows as float32: each element times its row's scale (uint8
+    rows are int4 pairs, :func:`unpack_int4`)."""
+    values = unpack_int4(stored) if stored.dtype == torch.uint8 else stored
+    return values.float() * scales.float()[..., None]
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -49,12 +104,23 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key_cache_scales: torch.Tensor | None = None,
+    value_cache_scales: torch.Tensor | None = None,
 ) -> None:
-    """Writes ``key[i]``/``value[i]`` to slot ``slot_mapping[i]``; negative slots are skipped."""
+    """Writes ``key[i]``/``value[i]`` to slot ``slot_mapping[i]``; negative slots are skipped.
+    With ``key_cache_scales`` / ``value_cache_scales`` each row is quantized with a scale of
+    its own (:func:`quantize_rows`), written beside it."""
     block_size = key_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
+    if key_cache_scales is not None:
+        for x, cache, scales in ((key, key_cache, key_cache_scales),
+                                 (value, value_cache, value_cache_scales)):
+            stored, row_scales = quantize_rows(x[keep], cache.dtype)
+            cache[blocks, :, offsets] = stored
+            scales[blocks, :, offsets] = row_scales
+        return
     key_cache[blocks, :, offsets] = quantize(key[keep], key_cache.dtype, k_scale)
     value_cache[blocks, :, offsets] = quantize(value[keep], value_cache.dtype, v_scale)
 
@@ -150,6 +216,8 @@ def paged_attention(
     v_scale: torch.Tensor | None,
     lse_out: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
+    key_cache_scales: torch.Tensor | None = None,
+    value_cache_scales: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float32,
 ) -> None:
@@ -158,7 +226,9 @@ def paged_attention(
     Writes ``out`` (cast to its dtype) and ``lse_out`` (float32) in place. ``sinks[h]`` is the
     logit of one more key of head ``h`` whose value is zero: it joins the softmax's denominator
     and the lse. A sequence with seq_len 0 gets zeros and lse -inf (the sink's logit with
-    sinks). ``max_seq_len`` and ``max_query_len`` are unused here.
+    sinks). With ``key_cache_scales`` / ``value_cache_scales`` the cache rows are dequantized
+    by their own scales (:func:`dequantize_rows`). ``max_seq_len`` and ``max_query_len`` are
+    unused here.
     """
     group = query.shape[1] // key_cache.shape[1]
     for seq, (first, q_len, seq_len) in enumerate(query_ranges(seq_lens, query_start_loc)):
@@ -169,8 +239,14 @@ def paged_attention(
                 lse_out[rows] = float("-inf") if sinks is None else sinks.to(lse_out.device)
             continue
         k, v = gather_kv(key_cache, value_cache, block_tables[seq], seq_len)
-        k = dequantize(k, k_scale).to(compute_dtype).repeat_interleave(group, dim=1)
-        v = dequantize(v, v_scale).to(compute_dtype).repeat_interleave(group, dim=1)
+        if key_cache_scales is not None:
+            ks, vs = gather_kv(key_cache_scales[..., None], value_cache_scales[..., None],
+                               block_tables[seq], seq_len)
+            k, v = dequantize_rows(k, ks[..., 0]), dequantize_rows(v, vs[..., 0])
+        else:
+            k, v = dequantize(k, k_scale), dequantize(v, v_scale)
+        k = k.to(compute_dtype).repeat_interleave(group, dim=1)
+        v = v.to(compute_dtype).repeat_interleave(group, dim=1)
         q = query[rows].to(compute_dtype)
         logits = attention_logits(q, k, seq_len, scale, alibi_slopes, sliding_window, soft_cap)
         if sinks is not None:  # the virtual key: a column of logits, no value row

@@ -1,0 +1,283 @@
+"""Caches quantized per (token, head): int8, int4 (uint8, two a byte) and fp8 with a scale per
+row, written by reshape_and_cache and read by paged_attention.
+
+Two claims, tested apart: the kernels are exact for the format (the written bits and scales are
+pagedkv.reference.quantize_rows'; attention equals the float64 attention over the dequantized
+cache within the suite's tolerance), and the format's own error is what its step allows.
+Backends without these kernels yet must refuse them clearly (QUANTIZED_BACKENDS).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.ops import reference
+
+from attention_cases import Case, call, check, make_args
+from helpers import FLOAT_DTYPES, LAYOUTS, assert_same_bits, make_caches, unique_slots
+
+# int4 is stored as uint8 (head_size / 2 bytes a row).
+FORMATS = [torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2]
+FORMAT_IDS = ["int8", "int4", "fp8e4m3", "fp8e5m2"]
+QUANTIZED_BACKENDS = {"cpu"}  # the others refuse these formats, before writing anything
+
+
+def stored_width(fmt: torch.dtype, head_size: int) -> int:
+    return head_size // 2 if fmt == torch.uint8 else head_size
+
+
+def empty_cache(layout, num_blocks, num_kv_heads, block_size, head_size, fmt):
+    """K and V caches of a format in a layout, random bytes so that unwritten rows show, and
+    their scales [num_blocks, num_kv_heads, block_size] (NaN), strided as the layout is."""
+    width = stored_width(fmt, head_size)
+    kc, vc = make_caches(layout, num_blocks, num_kv_heads, block_size, width,
+                         torch.float32, "cpu")
+    kc, vc = ((c * 40).to(torch.int8).view(fmt) if fmt != torch.int8 else (c * 40).to(fmt)
+              for c in (kc, vc))
+    if layout == "nhd":  # scales stored [num_blocks, block_size, heads], seen in HND order
+        ks, vs = (torch.full((num_blocks, block_size, num_kv_heads), float("nan"))
+                  .permute(0, 2, 1) for _ in range(2))
+    else:
+        ks, vs = (torch.full((num_blocks, num_kv_heads, block_size), float("nan"))
+                  for _ in range(2))
+    return kc, vc, ks, vs
+
+
+def refuses(backend) -> bool:
+    return backend.name not in QUANTIZED_BACKENDS
+
+
+# ---- the write ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("layout,block_size,head_size", [("hnd", 16, 128), ("nhd", 5, 64),
+                                                          ("combined", 1, 40)])
+def test_write_matches_reference(backend, fmt, dtype, layout, block_size, head_size):
+    """Stored bits and scales equal the reference's; padding slots and other rows untouched."""
+    num_tokens, heads = 29, 3
+    num_blocks = -(-2 * num_tokens // block_size) + 1
+    kc, vc, ks, vs = empty_cache(layout, num_blocks, heads, block_size, head_size, fmt)
+    key = (torch.randn(num_tokens, heads, head_size) * 3).to(dtype)
+    value = torch.randn(num_tokens, 3 * heads, head_size).to(dtype)[:, ::3]  # strided heads
+    slots = unique_slots(num_tokens, num_blocks * block_size, padding=3, device="cpu")
+    want = [t.clone() for t in (kc, vc, ks, vs)]
+    reference.reshape_and_cache(key, value, want[0], want[1], slots, key_cache_scales=want[2],
+                                value_cache_scales=want[3])
+    dev = backend.device
+    got = [t.to(dev) for t in (kc, vc, ks, vs)]
+    args = (key.to(dev), value.to(dev), got[0], got[1], slots.to(dev), None, None, got[2],
+            got[3])
+    if refuses(backend):
+        with pytest.raises(RuntimeError, match="no kernel writes int8, int4 or per-"):
+            backend.ops.reshape_and_cache(*args)
+        for g, t in zip(got, (kc, vc, ks, vs)):
+            assert_same_bits(g.cpu(), t)
+        return
+    backend.ops.reshape_and_cache(*args)
+    for g, w in zip(got, want):
+        assert_same_bits(g.cpu(), w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_quantization_error_is_within_half_a_step(fmt):
+    """The format's own error (reference quantizer): ints round to the nearest step (half a
+    scale at most), fp8 to its precision relative to each element; zero rows are zeros."""
+    x = torch.randn(64, 4, 96, dtype=torch.float64).float() * torch.rand(64, 4, 1) * 10
+    x[3, 1] = 0
+    x[5, 2, 7] = 1e4  # an outlier sets its row's scale alone
+    stored, scales = reference.quantize_rows(x, fmt)
+    assert scales[3, 1] == 0
+    back = reference.dequantize_rows(stored, scales)
+    assert torch.equal(back[3, 1], torch.zeros(96))
+    err = (back - x).abs()
+    if fmt in (torch.int8, torch.uint8):
+        assert (err <= scales[..., None] * 0.5 * (1 + 1e-5)).all()
+    else:
+        rel = torch.finfo(fmt).eps  # half an ulp of the format, relative, for normal numbers
+        normal = x.abs() >= scales[..., None] * torch.finfo(fmt).tiny
+        assert (err[normal] <= x.abs()[normal] * rel * (1 + 1e-5)).all()
+    assert torch.equal(back.abs().amax(-1)[scales > 0],
+                       (scales * reference.row_qmax(fmt))[scales > 0].float()) or fmt in (
+        torch.float8_e5m2,)  # an absmax that fp8 cannot hold rounds
+
+
+def test_int4_packing_round_trips():
+    q = torch.randint(-8, 8, (5, 3, 64))
+    packed = reference.pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 3, 32)
+    assert torch.equal(reference.unpack_int4(packed), q.int())
+    assert reference.pack_int4(torch.tensor([1, -1]))[0] == 0xF1  # 2i low, 2i + 1 high
+
+
+# ---- the read -----------------------------------------------------------------------------
+
+
+def quantized_args(case: Case, fmt: torch.dtype, device, outliers: bool = False) -> tuple:
+    """paged_attention arguments over a cache of the format: the float case's caches
+    (random, shuffled tables, poisoned outputs), quantized by the reference with a scale per
+    (token, head); with `outliers`, four channels of K (two of V) 20x larger, as real keys have.
+    Returns (args on device, the unquantized float K and V caches)."""
+    args = make_args(case)
+    kf, vf = args["key_cache"].float(), args["value_cache"].float()
+    if outliers:
+        channels = torch.randperm(case.head_size)[:4]
+        kf[..., channels] *= 20
+        vf[..., channels[:2]] *= 20
+    kq, ks = reference.quantize_rows(kf, fmt)
+    vq, vs = reference.quantize_rows(vf, fmt)
+    args.update(key_cache=kq, value_cache=vq, key_cache_scales=ks, value_cache_scales=vs,
+                k_scale=None, v_scale=None)
+    on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    return on_device, (kf, vf)
+
+
+def run(backend, case: Case, fmt: torch.dtype) -> dict:
+    args, _ = quantized_args(case, fmt, backend.device)
+    if refuses(backend):
+        with pytest.raises(RuntimeError, match="no kernel reads int8, int4 or per-"):
+            call(backend.ops.paged_attention, args)
+        assert args["out"].isnan().all()
+        return args
+    call(backend.ops.paged_attention, args)
+    check(args)
+    return args
+
+
+VARLEN = dict(seq_lens=(1, 40, 97, 33, 64, 5), q_lens=(1, 40, 9, 33, 1, 2))
+FEATURES = {
+    "plain": {},
+    "window": dict(sliding_window=19),
+    "alibi+cap": dict(alibi=True, soft_cap=7.0),
+    "sinks": dict(sinks=True),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_decode(backend, fmt, dtype):
+    run(backend, Case(dtype=dtype, seq_lens=(1, 17, 100, 33, 250)), fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("varlen", [False, True], ids=["decode", "varlen"])
+def test_features(backend, fmt, feature, varlen):
+    case = Case(dtype=torch.bfloat16, **FEATURES[feature])
+    run(backend, case.with_(**VARLEN) if varlen else case, fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("block_size,heads,head_size", [(1, (4, 4), 64), (17, (12, 3), 80),
+                                                        (64, (32, 8), 128), (16, (8, 1), 256)])
+def test_block_sizes_heads_and_head_sizes(backend, fmt, block_size, heads, head_size):
+    run(backend, Case(dtype=torch.float16, block_size=block_size, num_heads=heads[0],
+                      num_kv_heads=heads[1], head_size=head_size, seq_lens=(3, 130, 77)), fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_strided_layouts(backend, fmt, layout):
+    run(backend, Case(layout=layout, dtype=torch.bfloat16).with_(**VARLEN), fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_prefill_tiles_and_split_keys(backend, fmt):
+    """The CPU's prefill path (varlen items of many rows), and one long sequence whose keys are
+    split across partitions (split-K, merged by lse)."""
+    if backend.name.startswith("simt"):
+        pytest.skip("the emulator is slow at these sizes; test_features covers varlen")
+    run(backend, Case(seq_lens=(233, 64, 5), q_lens=(113, 64, 5), num_heads=32, num_kv_heads=8,
+                      head_size=128, dtype=torch.bfloat16), fmt)
+    run(backend, Case(seq_lens=(3001,), num_heads=8, num_kv_heads=2, dtype=torch.float32), fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_format_error_against_the_unquantized_attention(fmt):
+    """The format's own error, measured (docs/quantized_kv.md has the table): attention over
+    the quantized cache against the float64 attention over the unquantized one, relative to
+    its output's size, on the suite's random data and with outlier channels."""
+    bound = {torch.int8: (0.02, 0.25), torch.uint8: (0.3, 1.2),
+             torch.float8_e4m3fn: (0.08, 0.15), torch.float8_e5m2: (0.15, 0.3)}[fmt]
+    for outliers, limit in ((False, bound[0]), (True, bound[1])):
+        case = Case(seq_lens=(512, 300), num_heads=8, num_kv_heads=2, head_size=128)
+        args, (kf, vf) = quantized_args(case, fmt, "cpu", outliers)
+        call(torch.ops.pagedkv.paged_attention, args)
+        exact = {**args, "key_cache": kf.double(), "value_cache": vf.double(),
+                 "key_cache_scales": None, "value_cache_scales": None,
+                 "query": args["query"].double(), "out": torch.empty(args["out"].shape,
+                                                                     dtype=torch.float64)}
+        reference.paged_attention(**{k: exact[k] for k in exact if k in REF_ARGS},
+                                  compute_dtype=torch.float64)
+        rel = ((args["out"].double() - exact["out"]).norm() / exact["out"].norm()).item()
+        assert rel < limit, f"relative error {rel:.3g} with outliers={outliers}"
+
+
+REF_ARGS = ("out query key_cache value_cache block_tables seq_lens query_start_loc max_seq_len "
+            "max_query_len scale alibi_slopes sliding_window soft_cap k_scale v_scale lse_out "
+            "sinks key_cache_scales value_cache_scales").split()
+
+
+# ---- refusals -----------------------------------------------------------------------------
+
+
+def _refusal_cases():
+    def drop(name):
+        return lambda a: a.update({name: None})
+
+    def put(name, fn):
+        return lambda a: a.update({name: fn(a)})
+
+    return {
+        "int8 without scales": (drop("key_cache_scales"), "key_cache_scales is required"),
+        "value scales missing": (drop("value_cache_scales"), "value_cache_scales is required"),
+        "scales dtype": (put("key_cache_scales", lambda a: a["key_cache_scales"].double()),
+                         "key_cache_scales must be float32"),
+        "scales shape": (put("value_cache_scales", lambda a: a["value_cache_scales"][:, :, :3]),
+                         "value_cache_scales must be \\[num_blocks, num_kv_heads, block_size\\]"),
+        "per-tensor scale too": (put("k_scale", lambda a: torch.ones(1)),
+                                 "k_scale is only used with fp8 caches of per-tensor"),
+        "scales with a float cache": (
+            lambda a: a.update(key_cache=torch.zeros(a["key_cache"].shape),
+                               value_cache=torch.zeros(a["value_cache"].shape)),
+            "key_cache_scales is only used with int8, int4"),
+        "int4 width": (put("key_cache", lambda a: a["key_cache"].view(torch.uint8)),
+                       "key_cache and value_cache must have the same|head_size"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_refusal_cases()))
+def test_bad_arguments_are_refused_before_anything_is_written(backend, name):
+    change, message = _refusal_cases()[name]
+    args, _ = quantized_args(Case(), torch.int8, "cpu")
+    change(args)
+    args = {k: v.to(backend.device) if isinstance(v, torch.Tensor) else v
+            for k, v in args.items()}
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        call(backend.ops.paged_attention, args)
+    assert args["out"].isnan().all()
+
+
+def test_write_refusals(backend):
+    dev = backend.device
+    kc, vc, ks, vs = (t.to(dev) for t in empty_cache("hnd", 4, 2, 8, 32, torch.int8))
+    key = torch.randn(3, 2, 32, device=dev)
+    slots = torch.tensor([0, 9, -1], device=dev)
+    before = [t.clone() for t in (kc, vc, ks, vs)]
+    bad = {
+        "key_cache_scales is required": (key, key, kc, vc, slots, None, None, None, vs),
+        "k_scale is only used with fp8 caches of per-tensor": (
+            key, key, kc, vc, slots, torch.ones(1, device=dev), None, ks, vs),
+        "key must be float32, float16 or bfloat16 for a quantized cache": (
+            key.to(torch.float8_e4m3fn), key.to(torch.float8_e4m3fn), kc, vc, slots, None, None,
+            ks, vs),
+        "key must be \\[num_tokens, 2, 64\\]": (
+            key, key, kc.view(torch.uint8), vc.view(torch.uint8), slots, None, None, ks, vs),
+    }
+    for message, args in bad.items():
+        with pytest.raises(RuntimeError, match=message):
+            backend.ops.reshape_and_cache(*args)
+    for t, b in zip((kc, vc, ks, vs), before):
+        assert_same_bits(t.cpu(), b.cpu())
