@@ -233,22 +233,31 @@ inline vf load_float(const e4m3_t* p) {
 }
 
 typedef int8_t vsb __attribute__((vector_size(W)));
-inline vf load_float(const int8_t* p) { return __builtin_convertvector(load_raw<vsb>(p), vf); }
+inline vf load_float(const int8_t* p) {
+#if PKV_ISA >= 2
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_raw<__m128i>(p)));
+#elif PKV_ISA == 1
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(__builtin_convertvector(load_raw<vsb>(p), vi), vf);
+#endif
+}
 
-// The 2n signed 4-bit elements of n bytes of an int4 row as int8 (n a multiple of W / 2).
+// The 2n signed 4-bit elements of n bytes of an int4 row as int8, in element order.
 inline void unpack_int4(const i4x2_t* src, int n, int8_t* dst) {
-  typedef int8_t v16 __attribute__((vector_size(16)));
   int i = 0;
+#if PKV_X86
+  const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
   for (; i + 16 <= n; i += 16) {
-    const v16 x = load_raw<v16>(src + i);
-    const v16 lo = (x << 4) >> 4, hi = x >> 4;  // arithmetic shifts: the nibbles sign-extended
-    const v16 a = __builtin_shufflevector(lo, hi, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6,
-                                          22, 7, 23);
-    const v16 b = __builtin_shufflevector(lo, hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29,
-                                          14, 30, 15, 31);
-    std::memcpy(dst + 2 * i, &a, 16);
-    std::memcpy(dst + 2 * i + 16, &b, 16);
+    const __m128i x = load_raw<__m128i>(src + i);
+    // nibbles as 0..15, then sign-extended: (v ^ 8) - 8
+    const __m128i lo = _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(x, low4), eight), eight);
+    const __m128i hi = _mm_sub_epi8(
+        _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(x, 4), low4), eight), eight);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), _mm_unpacklo_epi8(lo, hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i + 16), _mm_unpackhi_epi8(lo, hi));
   }
+#endif
   for (; i < n; ++i) {
     const int8_t x = static_cast<int8_t>(src[i].bits);
     dst[2 * i] = static_cast<int8_t>(static_cast<int8_t>(x << 4) >> 4);

@@ -192,6 +192,25 @@ inline void check_lse(const at::Tensor& t, int64_t num_tokens, int64_t num_heads
   check_device(t, ref, op, name, "out");
 }
 
+// A slot_mapping: int64 [num_tokens] on the cache's device; its largest slot (when readable for
+// free, see index_checks_enabled) below num_blocks x block_size.
+inline void check_slot_mapping(const at::Tensor& slot_mapping, int64_t num_tokens,
+                               const at::Tensor& cache, int64_t num_blocks, int64_t block_size,
+                               const char* op) {
+  check_device(slot_mapping, cache, op, "slot_mapping", "the cache");
+  check_index(slot_mapping, at::kLong, op, "slot_mapping");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens, op,
+              ": slot_mapping must be [num_tokens] = [", num_tokens, "], got ",
+              slot_mapping.sizes());
+  const int64_t num_slots = num_blocks * block_size;
+  if (index_checks_enabled(slot_mapping) && num_tokens > 0) {
+    const int64_t max_slot = slot_mapping.max().item<int64_t>();
+    TORCH_CHECK(max_slot < num_slots, op, ": slot_mapping holds slot ", max_slot,
+                ", out of range for a cache of ", num_blocks, " blocks of ", block_size,
+                " tokens (", num_slots, " slots)");
+  }
+}
+
 inline int32_t to_int32(int64_t v, const char* op, const char* name) {
   TORCH_CHECK(v >= 0 && v <= std::numeric_limits<int32_t>::max(), op, ": ", name,
               " must be in [0, 2^31), got ", v);

@@ -374,8 +374,6 @@ cudaError_t mla_attention_tc_typed(const PagedAttentionParams& p, const Attentio
     };
     switch (mla_padded_rank(p.head_size_v, p.head_size)) {
       case 64: return with_rank.template operator()<64>();
-      case 128: return with_rank.template operator()<128>();
-      case 256: return with_rank.template operator()<256>();
       case 512: return with_rank.template operator()<512>();
       default: return cudaErrorInvalidValue;
     }

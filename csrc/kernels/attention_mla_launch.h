@@ -13,12 +13,14 @@
 namespace pagedkv {
 
 // The kernel's padded latent rank (O's columns, a multiple of 32: two warps of 16-column
-// ldmatrix pairs) for kv_lora_rank `rank` and row width `width`: the least of 64, 128, 256 and
-// 512 that holds the rank and whose padded row, kMlaPaddedRope more, holds the width; 0 when
-// none does. DeepSeek's (512, 576) runs unpadded.
+// ldmatrix pairs) for kv_lora_rank `rank` and row width `width`: 64 or 512, the smaller that
+// holds the rank and whose padded row, kMlaPaddedRope more, holds the width; 0 when neither
+// does. DeepSeek's (512, 576), the rank every MLA model deployed uses, runs unpadded; 64 serves
+// small latents (tests, toy models). Other ranks run padded to 512 (a rank of 128 does 4x the
+// MMAs it needs): each padded rank is 12 more kernels to compile.
 constexpr int kMlaPaddedRope = 64;
 inline int mla_padded_rank(int rank, int width) {
-  for (const int dv : {64, 128, 256, 512}) {
+  for (const int dv : {64, 512}) {
     if (rank <= dv && width <= dv + kMlaPaddedRope) return dv;
   }
   return 0;

@@ -70,12 +70,7 @@ inline PagedAttentionParams mla_attention_params(
   p.num_tokens = num_tokens;
   set_attention_indices(p, query, block_tables, seq_lens, query_start_loc, max_seq_len,
                         max_query_len, op);
-  p.out = out.data_ptr();
-  p.query = query.data_ptr();
-  p.out_token_stride = out.stride(0);
-  p.out_head_stride = out.stride(1);
-  p.q_token_stride = query.stride(0);
-  p.q_head_stride = query.stride(1);
+  set_attention_rows(p, out, query);
   p.key_cache = cache;
   p.value_cache = cache;
   p.k_scale = scale_data;

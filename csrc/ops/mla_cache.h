@@ -62,19 +62,8 @@ inline ConcatAndCacheMlaParams concat_and_cache_mla_params(
               kv_cache.scalar_type());
   check_device(kv_c, kv_cache, op, "kv_c", "kv_cache");
   check_device(k_pe, kv_cache, op, "k_pe", "kv_cache");
-  check_device(slot_mapping, kv_cache, op, "slot_mapping", "kv_cache");
-  check_index(slot_mapping, at::kLong, op, "slot_mapping");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens, op,
-              ": slot_mapping must be [num_tokens] = [", num_tokens, "], got ",
-              slot_mapping.sizes());
   const float* scale_data = scale_ptr(scale, kv_cache, op, "scale");
-  const int64_t num_slots = kv_cache.size(0) * kv_cache.size(1);
-  if (index_checks_enabled(slot_mapping) && num_tokens > 0) {
-    const int64_t max_slot = slot_mapping.max().item<int64_t>();
-    TORCH_CHECK(max_slot < num_slots, op, ": slot_mapping holds slot ", max_slot,
-                ", out of range for a cache of ", kv_cache.size(0), " blocks of ",
-                kv_cache.size(1), " tokens (", num_slots, " slots)");
-  }
+  check_slot_mapping(slot_mapping, num_tokens, kv_cache, kv_cache.size(0), kv_cache.size(1), op);
   ConcatAndCacheMlaParams p{};
   p.kv_c = kv_c.data_ptr();
   p.k_pe = k_pe.data_ptr();

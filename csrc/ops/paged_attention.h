@@ -105,6 +105,17 @@ inline void set_attention_indices(PagedAttentionParams& p, const at::Tensor& que
   p.max_query_len = to_int32(max_query_len, op, "max_query_len");
 }
 
+// The out and query rows (their pointers and token / head strides), set into p.
+inline void set_attention_rows(PagedAttentionParams& p, const at::Tensor& out,
+                               const at::Tensor& query) {
+  p.out = out.data_ptr();
+  p.query = query.data_ptr();
+  p.out_token_stride = out.stride(0);
+  p.out_head_stride = out.stride(1);
+  p.q_token_stride = query.stride(0);
+  p.q_head_stride = query.stride(1);
+}
+
 inline PagedAttentionParams paged_attention_params(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -172,12 +183,7 @@ inline PagedAttentionParams paged_attention_params(
   p.num_tokens = num_tokens;
   set_attention_indices(p, query, block_tables, seq_lens, query_start_loc, max_seq_len,
                         max_query_len, op);
-  p.out = out.data_ptr();
-  p.query = query.data_ptr();
-  p.out_token_stride = out.stride(0);
-  p.out_head_stride = out.stride(1);
-  p.q_token_stride = query.stride(0);
-  p.q_head_stride = query.stride(1);
+  set_attention_rows(p, out, query);
   p.key_cache = paged_kv_of(key_cache);
   p.value_cache = paged_kv_of(value_cache);
   p.alibi_slopes = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;

@@ -52,11 +52,6 @@ inline ReshapeAndCacheParams reshape_and_cache_params(
   }
   check_device(key, key_cache, op, "key", "key_cache");
   check_device(value, key_cache, op, "value", "key_cache");
-  check_device(slot_mapping, key_cache, op, "slot_mapping", "key_cache");
-  check_index(slot_mapping, at::kLong, op, "slot_mapping");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens, op,
-              ": slot_mapping must be [num_tokens] = [", num_tokens, "], got ",
-              slot_mapping.sizes());
   const bool token_scales = token_scaled(cache_dtype, key_cache_scales);
   const float* k_scale_ptr = scale_ptr(k_scale, key_cache, op, "k_scale", token_scales);
   const float* v_scale_ptr = scale_ptr(v_scale, key_cache, op, "v_scale", token_scales);
@@ -64,13 +59,8 @@ inline ReshapeAndCacheParams reshape_and_cache_params(
       scales_of(key_cache_scales, key_cache, token_scales, op, "key_cache_scales", "key_cache");
   const PagedKVView value_scales = scales_of(value_cache_scales, value_cache, token_scales, op,
                                              "value_cache_scales", "value_cache");
-  const int64_t num_slots = key_cache.size(0) * key_cache.size(2);
-  if (index_checks_enabled(slot_mapping) && num_tokens > 0) {
-    const int64_t max_slot = slot_mapping.max().item<int64_t>();
-    TORCH_CHECK(max_slot < num_slots, op, ": slot_mapping holds slot ", max_slot,
-                ", out of range for a cache of ", key_cache.size(0), " blocks of ",
-                key_cache.size(2), " tokens (", num_slots, " slots)");
-  }
+  check_slot_mapping(slot_mapping, num_tokens, key_cache, key_cache.size(0), key_cache.size(2),
+                     op);
   ReshapeAndCacheParams p{};
   p.key = key.data_ptr();
   p.value = value.data_ptr();

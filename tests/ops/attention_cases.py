@@ -105,6 +105,8 @@ def make_args(case: Case, device: torch.device | str = "cpu") -> dict:
         lse_out=torch.full((num_tokens, case.num_heads), float("nan")) if case.lse else None,
         # logits about those of the keys (scale * q.k ~ N(0, 1)), some far above, some below
         sinks=torch.randn(case.num_heads) * 3 + 1 if case.sinks else None,
+        key_cache_scales=None,  # per-(token, head) quantized caches: test_quantized_kv.py
+        value_cache_scales=None,
     )
     args.update(case.extra)
     return to_device(args, device)
@@ -115,7 +117,9 @@ def to_device(args: dict, device) -> dict:
 
 
 def call(op, args: dict) -> None:
-    op(**{name: args[name] for name in OP_ARGS})
+    """The op on args by name; arguments with a default (the trailing optional ones) may be
+    left out of args."""
+    op(**{name: args[name] for name in OP_ARGS if name in args})
 
 
 def reference_outputs(args: dict, compute_dtype: torch.dtype):
@@ -125,7 +129,8 @@ def reference_outputs(args: dict, compute_dtype: torch.dtype):
     out_dtype = torch.float64 if compute_dtype == torch.float64 else a["out"].dtype
     a["out"] = torch.empty(a["out"].shape, dtype=out_dtype)
     a["lse_out"] = torch.empty(a["query"].shape[:2])
-    reference.paged_attention(**{name: a[name] for name in OP_ARGS}, compute_dtype=compute_dtype)
+    reference.paged_attention(**{name: a[name] for name in OP_ARGS if name in a},
+                              compute_dtype=compute_dtype)
     return a["out"].double(), a["lse_out"].double()
 
 
