@@ -47,38 +47,100 @@ void write_row(const Src* src, Cache* dst, int64_t n, float scale, bool streamin
 // Per-(token, head) quantization (ReshapeAndCacheParams' key_scales): a row of n elements into
 // its cache row (int8_t; uint8_t: int4 pairs, n / 2 bytes; fp8) with the scale of its own,
 // returned. Written as torch computes pagedkv.reference.quantize_rows: float32 absmax (NaN
-// propagates), scale = absmax / qmax, x / scale rounded half to even, saturated.
+// propagates), scale = absmax / qmax, x / scale (a division, not a reciprocal's product)
+// rounded half to even, saturated.
 template <typename Cache>
 constexpr DType kTokenScaled = std::is_same_v<Cache, int8_t>    ? DType::kInt8
                                : std::is_same_v<Cache, uint8_t> ? DType::kInt4
                                : std::is_same_v<Cache, c10::Float8_e4m3fn> ? DType::kFp8E4M3
                                                                            : DType::kFp8E5M2;
 
-inline int32_t round_int(float x, float qmax) {
-  const float r = std::nearbyint(x);
-  return r != r ? 0 : static_cast<int32_t>(std::clamp(r, -qmax, qmax));  // NaN: any value
+// Four elements at a time, in the vectors of the baseline instruction set (SSE2 on x86-64;
+// GCC's vector extensions elsewhere), so that this unit needs no dispatch by instruction set.
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
+typedef uint16_t v4h __attribute__((vector_size(8)));
+
+template <typename Src>
+inline v4f load4(const Src* p) {
+  if constexpr (std::is_same_v<Src, float>) {
+    v4f x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+  } else if constexpr (std::is_same_v<Src, c10::BFloat16>) {  // the bits moved up: exact
+    v4h bits;
+    std::memcpy(&bits, p, sizeof bits);
+    return (v4f)(__builtin_convertvector(bits, v4u) << 16);
+  } else {
+    return v4f{static_cast<float>(p[0]), static_cast<float>(p[1]), static_cast<float>(p[2]),
+               static_cast<float>(p[3])};
+  }
+}
+
+// x rounded half to even and saturated to +-qmax (integers), NaN (a row of zeros: 0 / 0) to 0:
+// clamped first (the same as after, qmax being an integer), then rounded by adding and
+// subtracting 1.5 * 2^23, exact for |x| < 2^22 in the default rounding mode.
+inline v4i round4(v4f x, float qmax) {
+  const v4f zero = {}, hi = zero + qmax, lo = zero - qmax, magic = zero + 12582912.f;
+  x = x == x ? x : zero;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  return __builtin_convertvector((x + magic) - magic, v4i);
+}
+
+// The row's float32 absmax; NaN if any element is NaN (as torch's amax).
+template <typename Src>
+float row_absmax(const Src* src, int64_t n) {
+  const v4f zero = {};
+  v4f amax = zero;
+  v4i nan = {};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    v4f a = load4(src + i);
+    a = a < zero ? -a : a;
+    amax = a > amax ? a : amax;
+    nan |= a != a;
+  }
+  float m = std::max(std::max(amax[0], amax[1]), std::max(amax[2], amax[3]));
+  bool any_nan = nan[0] | nan[1] | nan[2] | nan[3];
+  for (; i < n; ++i) {
+    const float a = std::fabs(static_cast<float>(src[i]));
+    m = a > m ? a : m;
+    any_nan |= a != a;
+  }
+  return any_nan ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
 template <typename Src, typename Cache>
 float write_scaled_row(const Src* src, Cache* dst, int64_t n) {
   constexpr float qmax = quant_max(kTokenScaled<Cache>);
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(static_cast<float>(src[i]));
-    amax = a > amax || a != a ? a : amax;
-  }
-  const float scale = amax / qmax;
-  const bool zero = scale == 0.f;
-  if constexpr (std::is_same_v<Cache, int8_t>) {
-    for (int64_t i = 0; i < n; ++i)
-      dst[i] = zero ? 0 : static_cast<int8_t>(round_int(static_cast<float>(src[i]) / scale, qmax));
-  } else if constexpr (std::is_same_v<Cache, uint8_t>) {
-    for (int64_t i = 0; i < n; i += 2) {
-      const int32_t lo = zero ? 0 : round_int(static_cast<float>(src[i]) / scale, qmax);
-      const int32_t hi = zero ? 0 : round_int(static_cast<float>(src[i + 1]) / scale, qmax);
-      dst[i / 2] = static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
+  const float scale = row_absmax(src, n) / qmax;
+  if constexpr (std::is_same_v<Cache, int8_t> || std::is_same_v<Cache, uint8_t>) {
+    const v4f div = v4f{} + scale;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      const v4i q = round4(load4(src + i) / div, qmax);
+      if constexpr (std::is_same_v<Cache, int8_t>) {
+        for (int j = 0; j < 4; ++j) dst[i + j] = static_cast<int8_t>(q[j]);
+      } else {
+        dst[i / 2] = static_cast<uint8_t>((q[0] & 0xF) | ((q[1] & 0xF) << 4));
+        dst[i / 2 + 1] = static_cast<uint8_t>((q[2] & 0xF) | ((q[3] & 0xF) << 4));
+      }
+    }
+    for (; i < n; i += 2) {  // n is even for int4
+      const v4f x = {static_cast<float>(src[i]),
+                     i + 1 < n ? static_cast<float>(src[i + 1]) : 0.f, 0.f, 0.f};
+      const v4i q = round4(x / div, qmax);
+      if constexpr (std::is_same_v<Cache, int8_t>) {
+        dst[i] = static_cast<int8_t>(q[0]);
+        if (i + 1 < n) dst[i + 1] = static_cast<int8_t>(q[1]);
+      } else {
+        dst[i / 2] = static_cast<uint8_t>((q[0] & 0xF) | ((q[1] & 0xF) << 4));
+      }
     }
   } else {
+    const bool zero = scale == 0.f;
     for (int64_t i = 0; i < n; ++i)
       dst[i] = zero ? Cache(0.f) : quantize<Cache>(static_cast<float>(src[i]) / scale);
   }
@@ -309,6 +371,8 @@ void gather_cache(const GatherCacheParams& p, const at::Tensor&) {
     case DType::kBFloat16: return gather_cache_out<c10::BFloat16>(p);
     case DType::kFp8E4M3: return gather_cache_typed<c10::Float8_e4m3fn, c10::Float8_e4m3fn>(p);
     case DType::kFp8E5M2: return gather_cache_typed<c10::Float8_e5m2, c10::Float8_e5m2>(p);
+    case DType::kInt8:
+    case DType::kInt4: return;  // refused by gather_cache_params (no MLA cache is int8 or int4)
   }
 }
 

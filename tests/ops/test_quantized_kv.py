@@ -91,6 +91,34 @@ def test_write_matches_reference(backend, fmt, dtype, layout, block_size, head_s
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("head_size", [6, 10, 21])
+def test_write_of_short_rows_zero_rows_and_ties(backend, fmt, head_size):
+    """Rows shorter than a vector or with a tail past the last whole one (int4: even only), a
+    row of zeros (scale 0, zeros stored), and elements exactly half a step between two values
+    (rounded to even), as the reference writes them."""
+    if fmt == torch.uint8 and head_size % 2:
+        pytest.skip("an int4 row holds an even number of elements")
+    kc, vc, ks, vs = empty_cache("hnd", 3, 2, 4, head_size, fmt)
+    key = torch.randn(5, 2, head_size) * 4
+    key[1, 0] = 0
+    key[2, 1] = torch.arange(head_size) - head_size / 2 + 0.5  # ties after / scale, for ints
+    key[2, 1, 0] = reference.row_qmax(fmt) if fmt in (torch.int8, torch.uint8) else 448.0
+    value = -key.flip(0)
+    slots = torch.tensor([0, 5, 7, -1, 11])
+    want = [t.clone() for t in (kc, vc, ks, vs)]
+    reference.reshape_and_cache(key, value, want[0], want[1], slots, key_cache_scales=want[2],
+                                value_cache_scales=want[3])
+    assert want[2][1, 0, 1] == 0  # slot 5, head 0: the zero row
+    got = [t.to(backend.device) for t in (kc, vc, ks, vs)]
+    if refuses(backend):
+        pytest.skip("this backend refuses the formats (test_write_matches_reference)")
+    backend.ops.reshape_and_cache(key.to(backend.device), value.to(backend.device), got[0],
+                                  got[1], slots.to(backend.device), None, None, got[2], got[3])
+    for g, w in zip(got, want, strict=True):
+        assert_same_bits(g.cpu(), w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_quantization_error_is_within_half_a_step(fmt):
     """The format's own error (reference quantizer): ints round to the nearest step (half a
     scale at most), fp8 to its precision relative to each element; zero rows are zeros."""
