@@ -102,13 +102,26 @@ def op(args: dict, query: torch.Tensor, table, lens, qsl, max_seq_len: int, max_
         max_q, HEAD_SIZE**-0.5, **extra)
 
 
+def runnable(calls: dict) -> dict:
+    """The calls whose format this device's kernels read (a backend without a format's kernel
+    refuses it with a RuntimeError naming it), each run once; the others are reported."""
+    kept = {}
+    for name, fn in calls.items():
+        try:
+            fn()
+        except RuntimeError as e:
+            print(f"{name}: not run here: {str(e).splitlines()[0]}")
+            continue
+        kept[name] = fn
+    return kept
+
+
 def measure(calls: dict, probe: torch.Tensor, reps: int, device) -> dict:
     """Per format: op times and probe rates, taken in turn (see the module's docstring)."""
     probe_bytes = probe.numel() * probe.element_size()
+    calls = runnable(calls)
     times = {name: [] for name in calls}
     rates = {name: [] for name in calls}
-    for fn in calls.values():
-        fn()
     for _ in range(reps):
         for name, fn in calls.items():
             sync(device)

@@ -246,7 +246,7 @@ inline vf load_float(const int8_t* p) {
 // The 2n signed 4-bit elements of n bytes of an int4 row as int8, in element order.
 inline void unpack_int4(const i4x2_t* src, int n, int8_t* dst) {
   int i = 0;
-#if PKV_X86
+#if defined(__SSE2__)
   const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
   for (; i + 16 <= n; i += 16) {
     const __m128i x = load_raw<__m128i>(src + i);
