@@ -215,3 +215,27 @@ def test_cache_format_is_a_frozen_value():
     with pytest.raises(AttributeError):
         fmt.bits = 4  # type: ignore[misc]
     assert CacheFormat("int8", torch.int8, 8, True, 127.0, fmt.label) == fmt
+
+
+@pytest.mark.parametrize("combined", [False, True])
+def test_every_backend_copies_and_swaps_the_scales(backend, monkeypatch, combined):
+    """PagedKVCache's copies and swaps run through ``backend``'s ops (the CUDA kernels under the
+    emulator, or on a GPU): rows of one float32 scale, and int4 rows, move bit for bit."""
+    from pagedkv.cache import paged_cache
+
+    monkeypatch.setattr(paged_cache, "ops", backend.ops)
+    spec = windowed_spec("int4", 5)
+    cache = PagedKVCache(spec, 6, backend.device, combined_kv=combined)
+    host = PagedKVCache(spec, 3, backend.device, combined_kv=combined)
+    gen = torch.Generator().manual_seed(4)
+    for t in cache.tensors:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen,
+                                                dtype=torch.uint8))
+    before = [t.cpu().clone() for t in cache.tensors]
+    cache.copy_blocks([(1, 4), (2, 0)])
+    cache.swap_to(host, [(4, 2)])
+    for old, new, out in zip(before, cache.tensors, host.tensors, strict=True):
+        expected = old.clone()
+        expected[4], expected[0] = old[1], old[2]
+        assert_same_bits(new.cpu(), expected)
+        assert_same_bits(out[2].cpu(), old[1])
