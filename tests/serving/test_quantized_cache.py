@@ -83,9 +83,9 @@ def measured() -> dict[str, dict[str, float]]:
                                         "float8_e4m3fn"])
 
 
-# (format, least teacher-forced greedy agreement, largest mean logit error): about a third of
-# the measured error headroom (int8 measured 98.8% / 0.0075, fp8 per token-head 95.7% / 0.036,
-# int4 78% / 0.15, per-tensor fp8 93% / 0.040 over 64 tokens).
+# (format, least teacher-forced greedy agreement, largest mean logit error), loose: measured here
+# int8 99.5% / 0.0075, fp8 per token-head 95.3% / 0.036, int4 76.6% / 0.15, per-tensor fp8
+# 93.2% / 0.042; every layer reading layer 0's scales gives int8 43% / 0.42.
 BOUNDS = [("int8", 0.94, 0.02), ("fp8_e4m3_per_token_head", 0.85, 0.07), ("int4", 0.6, 0.3),
           ("float8_e4m3fn", 0.8, 0.08)]
 
