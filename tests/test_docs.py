@@ -1,7 +1,7 @@
 """The docs name what exists: every file path and ``pagedkv.x`` name in README.md,
-docs/architecture.md, docs/simt.md, docs/mla.md and csrc/simt/README.md resolves, every Python
-module of the package is listed in the architecture's Python package section, and every file of
-the emulator, its backend and its self-tests in docs/simt.md."""
+docs/architecture.md, docs/simt.md, docs/mla.md, docs/quantized_kv.md and csrc/simt/README.md
+resolves, every Python module of the package is listed in the architecture's Python package
+section, and every file of the emulator, its backend and its self-tests in docs/simt.md."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "python" / "pagedkv"
-DOCS = ["README.md", "docs/architecture.md", "docs/simt.md", "docs/mla.md", "csrc/simt/README.md"]
+DOCS = ["README.md", "docs/architecture.md", "docs/simt.md", "docs/mla.md", "docs/quantized_kv.md",
+        "csrc/simt/README.md"]
 # Folders whose every file docs/simt.md names by its path.
 SIMT_FOLDERS = ["csrc/simt", "csrc/simt_backend", "tests/simt"]
 

@@ -36,9 +36,12 @@ def test_rejects_non_positive_sizes(field):
         KVCacheSpec(**args)
 
 
-def test_rejects_unsupported_cache_dtype():
-    with pytest.raises(ValueError, match="cache dtype"):
-        KVCacheSpec(2, 2, 8, 4, torch.float16, torch.int8)
+@pytest.mark.parametrize("cache_dtype, match", [
+    (torch.int16, "cache_dtype must be one of"), (torch.uint8, "pass 'int4'"),
+    ("int3", "cache_dtype must be a torch dtype or one of")])
+def test_rejects_unsupported_cache_dtype(cache_dtype, match):
+    with pytest.raises(ValueError, match=match):
+        KVCacheSpec(2, 2, 8, 4, torch.float16, cache_dtype)
 
 
 @pytest.mark.parametrize("combined", [False, True])

@@ -108,6 +108,34 @@ def test_beam_search_equals_transformers(num_beams):
     assert sum(copies) < rows * 10
 
 
+@pytest.mark.parametrize("cache_dtype", ["int8", "int4", "fp8_e4m3_per_token_head",
+                                         torch.float8_e4m3fn])
+def test_a_quantized_cache_serves_greedy_and_beam_search(cache_dtype):
+    """Greedy tokens close to the float32 cache's; beam search forks block tables and copies
+    shared last blocks (copy-on-write) with their scales: under debug_nan a copy without its
+    scales would read the NaN of a fresh block."""
+    model = tiny_model(seed=3)
+    inputs = left_padded(PROMPTS[:4])
+    expected = generate(model, inputs, "pagedkv", paged(model), max_new_tokens=16,
+                        min_new_tokens=16)
+    cache = paged(model, cache_dtype=cache_dtype)
+    got = generate(model, inputs, "pagedkv", cache, max_new_tokens=16, min_new_tokens=16)
+    assert cache.kv.spec.kv_dtype != torch.float32 and cache.used_bytes > 0
+    least = 0.5 if cache_dtype == "int4" else 0.75  # first tokens, before errors compound
+    assert (got[:, 0] == expected[:, 0]).float().mean() >= least
+    beams = paged(model, cache_dtype=cache_dtype)
+    copies = []
+    copy_blocks = beams.kv.copy_blocks
+    beams.kv.copy_blocks = lambda pairs: (copies.append(len(pairs)), copy_blocks(pairs))
+    model.set_attn_implementation("pagedkv")
+    with torch.no_grad():
+        out = model.generate(**inputs, cache=beams, num_beams=3, max_new_tokens=10,
+                             min_new_tokens=10, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    assert sum(copies) > 0
+    assert all(score.isfinite().any(-1).all() for score in out.scores)
+
+
 def test_sampling_several_sequences_equals_transformers():
     """Sampling with num_return_sequences: the rows are copies of each prompt (sharing its full
     blocks); with one seed both paths draw the same tokens."""

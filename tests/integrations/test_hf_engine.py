@@ -122,9 +122,10 @@ def test_cuda_kernel_source_under_simt_matches_transformers() -> None:
     assert engine.generate(prompts, SamplingParams(max_tokens=6)) == expected
 
 
-@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn, "int8", "int4"])
 def test_a_llama_serves_as_the_hand_written_model(cache_dtype) -> None:
-    """Both serving models of one Llama give the same tokens (fp8 cache: the same scales)."""
+    """Both serving models of one Llama give the same tokens (fp8 cache: the same scales;
+    int8, int4: the same rows and row scales)."""
     hf = tiny_hf_model(seed=4)
     config = EngineConfig(block_size=4, num_blocks=64, cache_dtype=cache_dtype)
     ours = LLMEngine(LlamaForCausalLM.from_hf(hf), config).generate(

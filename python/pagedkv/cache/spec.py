@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedkv import checks
+from pagedkv.cache.formats import CacheFormat, cache_format
 from pagedkv.errors import InvalidArgumentError
 
 __all__ = ["CACHE_DTYPES", "FP8_DTYPES", "KVCacheGroup", "KVCacheSpec", "check_window",
@@ -15,6 +16,8 @@ __all__ = ["CACHE_DTYPES", "FP8_DTYPES", "KVCacheGroup", "KVCacheSpec", "check_w
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
+"""The torch dtypes of the unscaled and per-tensor fp8 formats (every format:
+``pagedkv.cache.formats.FORMATS``)."""
 
 
 def check_window(value: object, name: str) -> int | None:
@@ -70,8 +73,13 @@ class KVCacheSpec:
         head_size: elements per head.
         block_size: tokens per block.
         dtype: the model's activation dtype (what ``reshape_and_cache`` receives).
-        cache_dtype: the dtype stored in the cache; ``None`` means the same as ``dtype``.
-            fp8 caches carry float32 ``k_scale``/``v_scale`` per layer.
+        cache_dtype: how the cache stores rows (``pagedkv.cache.formats``): a torch dtype
+            (``torch.float8_*``: fp8 with float32 ``k_scale``/``v_scale`` per layer), or a
+            format name or ``CacheFormat``: ``"int8"``, ``"int4"``,
+            ``"fp8_e4m3_per_token_head"``... with a float32 scale per (token, head) in
+            side tensors (``PagedKVCache.layer_args``). ``None`` means the same as ``dtype``.
+            A name of a plain or per-tensor format is kept as its torch dtype, a token-scaled
+            one as its canonical name.
         sliding_windows: per layer, None (full attention) or the layer's sliding window in
             tokens; None (the default) means every layer attends in full. Layers fall into
             ``kv_cache_groups``; a pool block is one page of ``page_layers`` layers
@@ -87,6 +95,8 @@ class KVCacheSpec:
         131072
         >>> KVCacheSpec(61, 1, 576, 64, torch.bfloat16, latent=True).bytes_per_token  # 61 x 576 x 2
         70272
+        >>> KVCacheSpec(32, 8, 128, 16, torch.bfloat16, "int8").bytes_per_token  # 2x32x8x(128+4)
+        67584
     """
 
     num_layers: int
@@ -94,9 +104,10 @@ class KVCacheSpec:
     head_size: int
     block_size: int
     dtype: torch.dtype = torch.float16
-    cache_dtype: torch.dtype | None = None
+    cache_dtype: torch.dtype | str | CacheFormat | None = None
     sliding_windows: tuple[int | None, ...] | None = None
     latent: bool = False
+    format: CacheFormat = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
@@ -124,32 +135,64 @@ class KVCacheSpec:
                     f"KVCacheSpec.sliding_windows must hold one entry per layer "
                     f"({self.num_layers}), got {len(windows)}")
             object.__setattr__(self, "sliding_windows", windows)
-        if self.kv_dtype not in CACHE_DTYPES:
-            names = ", ".join(str(d) for d in CACHE_DTYPES)
-            raise ValueError(f"KVCacheSpec cache dtype {self.kv_dtype} is not one of {names}")
+        self._set_format()
+
+    def _set_format(self) -> None:
+        given = self.cache_dtype
+        fmt = cache_format(self.dtype if given is None else given,
+                           "KVCacheSpec.dtype" if given is None else "KVCacheSpec.cache_dtype")
+        if given is None and fmt.token_scaled:
+            raise InvalidArgumentError(
+                f"KVCacheSpec.dtype must be the model's float dtype, got {self.dtype}; give a "
+                f"quantized format as cache_dtype")
+        if fmt.token_scaled and self.latent:
+            raise InvalidArgumentError(
+                f"KVCacheSpec.cache_dtype {fmt.name} has a scale per (token, head), which the "
+                f"latent (MLA) ops do not read; a latent cache takes a float or fp8 dtype")
+        fmt.stored_width(self.head_size)  # int4 needs an even head_size
+        if given is not None:
+            object.__setattr__(self, "cache_dtype", fmt.name if fmt.token_scaled else fmt.storage)
+        object.__setattr__(self, "format", fmt)
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The dtype stored in the cache (``cache_dtype``, or ``dtype`` when that is None)."""
-        return self.dtype if self.cache_dtype is None else self.cache_dtype
+        """The dtype of the cache tensors (``format.storage``: int4 is uint8)."""
+        return self.format.storage
 
     @property
     def is_fp8(self) -> bool:
-        """True when the cache stores fp8 and needs k/v scales."""
-        return self.kv_dtype in FP8_DTYPES
+        """True when the cache stores fp8 with one k/v scale per layer (``k_scales``)."""
+        return self.format.tensor_scaled
+
+    @property
+    def token_scaled(self) -> bool:
+        """True when each row has its own scale (int8, int4, fp8 per token-head)."""
+        return self.format.token_scaled
 
     @property
     def element_size(self) -> int:
-        """Bytes per cached element."""
+        """Bytes per element of the cache tensors (int4: 1, holding two elements)."""
         return torch.empty((), dtype=self.kv_dtype).element_size()
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (a token of one head, or one latent row), its scale included."""
+        return self.format.row_bytes(self.head_size)
+
+    @property
     def block_shape(self) -> tuple[int, ...]:
-        """``(num_kv_heads, block_size, head_size)``: one block of one layer's K (or V);
-        ``(block_size, head_size)`` for a latent cache."""
+        """``(num_kv_heads, block_size, width)``: one block of one layer's K (or V), ``width``
+        the stored row (``head_size``; int4: ``head_size / 2``); ``(block_size, head_size)``
+        for a latent cache."""
         if self.latent:
             return (self.block_size, self.head_size)
-        return (self.num_kv_heads, self.block_size, self.head_size)
+        return (self.num_kv_heads, self.block_size, self.format.stored_width(self.head_size))
+
+    @property
+    def scale_shape(self) -> tuple[int, int] | None:
+        """``(num_kv_heads, block_size)``: one block of one layer's K (or V) row scales;
+        None unless the format is token-scaled."""
+        return (self.num_kv_heads, self.block_size) if self.token_scaled else None
 
     @property
     def tensors_per_layer(self) -> int:
@@ -159,9 +202,8 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of K and V (or the latent) for one token over all layers (every layer
-        attending in full)."""
-        return (self.tensors_per_layer * self.num_layers * self.num_kv_heads * self.head_size
-                * self.element_size)
+        attending in full), the rows' scales included."""
+        return self.tensors_per_layer * self.num_layers * self.num_kv_heads * self.row_bytes
 
     @property
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
@@ -188,10 +230,10 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one pool block, K and V (or the latent): one page of ``page_layers`` layers
-        (all layers without sliding windows)."""
-        return (self.tensors_per_layer * self.page_layers * self.num_kv_heads * self.head_size
-                * self.element_size * self.block_size)
+        """Bytes of one pool block, K and V (or the latent) and their row scales: one page of
+        ``page_layers`` layers (all layers without sliding windows)."""
+        return (self.tensors_per_layer * self.page_layers * self.num_kv_heads * self.row_bytes
+                * self.block_size)
 
     def hybrid_kv_bytes(self, seq_len: int, batch: int = 1) -> int:
         """Bytes the hybrid manager holds for ``batch`` sequences of ``seq_len`` tokens while
@@ -200,8 +242,8 @@ class KVCacheSpec:
         return blocks * self.bytes_per_block * batch
 
     def kv_cache_bytes(self, seq_len: int, batch: int = 1) -> int:
-        """Contiguous cache bytes: 2 (K and V; 1 latent) x layers x kv_heads x head_size x
-        seq_len x batch x bytes."""
+        """Contiguous cache bytes: 2 (K and V; 1 latent) x layers x kv_heads x seq_len x batch
+        x bytes per row (``row_bytes``)."""
         return self.bytes_per_token * seq_len * batch
 
     def blocks_for_tokens(self, num_tokens: int) -> int:

@@ -102,7 +102,7 @@ class TransformersForCausalLM(nn.Module):
             getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype,
-                      cache_dtype: torch.dtype | None = None) -> KVCacheSpec:
+                      cache_dtype: torch.dtype | str | None = None) -> KVCacheSpec:
         """The spec of the model's KV cache: one layer per decoder layer, its window from the
         config; a latent spec (one ``kv_lora_rank + rope_dim`` row a token) for MLA models."""
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_size, block_size, dtype,
@@ -145,21 +145,17 @@ class EngineStep:
         spec, batch, kernels = self.cache.spec, self.batch, self.model.kernels
         group = spec.page_slot(layer)[0]
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
-        key_cache, value_cache = self.cache.layer(layer)
-        k_scale = self.cache.k_scales[layer] if self.cache.k_scales else None
-        v_scale = self.cache.v_scales[layer] if self.cache.v_scales else None
-        kernels.reshape_and_cache(key=k, value=v, key_cache=key_cache, value_cache=value_cache,
-                                  slot_mapping=batch.group_slot_mappings[group],
-                                  k_scale=k_scale, v_scale=v_scale)
+        cache = self.cache.layer_args(layer)  # K/V caches and their scales, if any
+        kernels.reshape_and_cache(key=k, value=v, slot_mapping=batch.group_slot_mappings[group],
+                                  **cache)
         out = torch.empty_like(q)
         kernels.paged_attention(
-            out=out, query=q, key_cache=key_cache, value_cache=value_cache,
-            block_tables=batch.group_block_tables[group], seq_lens=batch.seq_lens,
+            out=out, query=q, block_tables=batch.group_block_tables[group],
+            seq_lens=batch.seq_lens,
             query_start_loc=batch.query_start_loc if batch.max_query_len > 1 else None,
             max_seq_len=batch.max_seq_len, max_query_len=batch.max_query_len,
             scale=options.scale, alibi_slopes=None, sliding_window=options.sliding_window,
-            soft_cap=options.soft_cap, k_scale=k_scale, v_scale=v_scale, lse_out=None,
-            sinks=options.sinks)
+            soft_cap=options.soft_cap, lse_out=None, sinks=options.sinks, **cache)
         return out[None]
 
     def _attend_latent(self, layer: int, query: torch.Tensor, kv_c: torch.Tensor,

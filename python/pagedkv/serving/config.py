@@ -94,7 +94,8 @@ class ModelConfig:
         )
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype = torch.float32,
-                      cache_dtype: torch.dtype | None = None, tp_size: int = 1) -> KVCacheSpec:
+                      cache_dtype: torch.dtype | str | None = None, tp_size: int = 1
+                      ) -> KVCacheSpec:
         """The spec of this model's KV cache (of one rank's heads among ``tp_size``)."""
         return KVCacheSpec(self.num_hidden_layers,
                            kv_heads_per_rank(self.num_key_value_heads, tp_size), self.head_dim,

@@ -118,21 +118,18 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        key_cache, value_cache = cache.layer(self.layer)
-        k_scale = cache.k_scales[self.layer] if cache.k_scales else None
-        v_scale = cache.v_scales[self.layer] if cache.v_scales else None
+        layer = cache.layer_args(self.layer)  # K/V caches and their scales, if any
         kernels = self.kernels
-        kernels.reshape_and_cache(key=k, value=v, key_cache=key_cache, value_cache=value_cache,
-                                  slot_mapping=batch.group_slot_mappings[self.group],
-                                  k_scale=k_scale, v_scale=v_scale)
+        kernels.reshape_and_cache(key=k, value=v,
+                                  slot_mapping=batch.group_slot_mappings[self.group], **layer)
         out = torch.empty_like(q)
         kernels.paged_attention(
-            out=out, query=q, key_cache=key_cache, value_cache=value_cache,
-            block_tables=batch.group_block_tables[self.group], seq_lens=batch.seq_lens,
+            out=out, query=q, block_tables=batch.group_block_tables[self.group],
+            seq_lens=batch.seq_lens,
             query_start_loc=batch.query_start_loc if batch.max_query_len > 1 else None,
             max_seq_len=batch.max_seq_len, max_query_len=batch.max_query_len, scale=self.scale,
             alibi_slopes=None, sliding_window=-1 if self.window is None else self.window,
-            soft_cap=0.0, k_scale=k_scale, v_scale=v_scale, lse_out=None, sinks=self._sinks())
+            soft_cap=0.0, lse_out=None, sinks=self._sinks(), **layer)
         return self.tp.all_reduce(self.out(out.view(n, -1))[0])
 
     def _sinks(self) -> torch.Tensor | None:
@@ -227,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         return model.to(device=param.device, dtype=dtype or param.dtype).eval()
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype,
-                      cache_dtype: torch.dtype | None = None) -> KVCacheSpec:
+                      cache_dtype: torch.dtype | str | None = None) -> KVCacheSpec:
         """The spec of this rank's KV cache (its KV heads)."""
         return self.config.kv_cache_spec(block_size, dtype, cache_dtype, self.tp.size)
 

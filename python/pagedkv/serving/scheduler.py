@@ -30,6 +30,7 @@ import torch
 from pagedkv import checks
 from pagedkv.blocks.groups import live_blocks
 from pagedkv.blocks.manager import BlockManager
+from pagedkv.cache.formats import CacheFormat, cache_format
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 
 __all__ = ["EngineConfig", "EngineStats", "Request", "SamplingParams", "Scheduler", "Status",
@@ -118,6 +119,10 @@ class EngineConfig:
     reservation: one block per request (``EngineConfig.contiguous``). ``chunked_prefill``: a
     prompt over the step's remaining ``max_num_batched_tokens`` is prefilled in chunks of what
     remains (its prefix hit is looked up in its first chunk), rather than alone in a step.
+    ``cache_dtype``: how the cache stores K/V (``pagedkv.cache.formats``), None for the model's
+    dtype: a torch dtype (fp8: a scale per layer) or a format name such as ``"int8"``,
+    ``"int4"`` or ``"fp8_e4m3_per_token_head"`` (a scale per token and head: about 2x, 4x, 2x
+    the tokens of a 16-bit cache in the same ``kv_cache_bytes``).
     """
 
     block_size: int = 16
@@ -128,7 +133,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     reserve_null_block: bool = True
-    cache_dtype: torch.dtype | None = None
+    cache_dtype: torch.dtype | str | CacheFormat | None = None
     seed: int = 0
     chunked_prefill: bool = False
 
@@ -145,6 +150,8 @@ class EngineConfig:
         self.max_num_batched_tokens = checks.positive(self.max_num_batched_tokens,
                                                       "max_num_batched_tokens")
         self.seed = checks.count(self.seed, "seed")
+        if self.cache_dtype is not None:
+            cache_format(self.cache_dtype, "cache_dtype")  # a bad name fails here, not later
         if not isinstance(self.chunked_prefill, bool):
             raise InvalidArgumentError(f"chunked_prefill must be a bool, got "
                                        f"{self.chunked_prefill!r}")

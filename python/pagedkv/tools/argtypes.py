@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv import checks
+from pagedkv.cache.formats import cache_format, format_names
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.tools.costmodel import DevicePreset, get_device
 from pagedkv.tools.presets import ModelPreset, get_model, parse_bytes
 from pagedkv.tools.traces import TRACES
 
-__all__ = ["byte_size", "choices_list", "count", "device_preset", "existing_file", "fraction",
-           "model_preset", "output_file", "positive_float", "positive_int", "rate", "rates",
-           "trace"]
+__all__ = ["byte_size", "cache_dtype", "choices_list", "count", "device_preset", "existing_file",
+           "fraction", "model_preset", "output_file", "positive_float", "positive_int", "rate",
+           "rates", "trace"]
 
 
 def _checked(check: Callable[..., Any], value: Any, **bounds: float) -> Any:
@@ -120,6 +121,15 @@ def choices_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"repeated value in {text!r}")
         return values
     return parse
+
+
+def cache_dtype(text: str) -> str:
+    """A cache format (``pagedkv.cache.formats``) by any of its names: its canonical name."""
+    try:
+        return cache_format(text).name
+    except InvalidArgumentError:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(format_names())}, got {text!r}") from None
 
 
 def model_preset(text: str) -> ModelPreset:

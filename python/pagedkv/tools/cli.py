@@ -7,6 +7,7 @@ Examples::
     pagedkv size --model gpt-oss-120b --seq-len 32768 --memory 80GiB
     pagedkv size --model deepseek-v3 --seq-len 32768 --memory 80GiB
     pagedkv size --layers 32 --kv-heads 8 --head-size 128 --cache-dtype fp8 --json
+    pagedkv size --model llama-3-8b --seq-len 8192 --memory 80GiB --cache-dtype int8 --formats
     pagedkv simulate
     pagedkv simulate --sweep-rate --plot latency.png --json
     pagedkv simulate --trace requests.jsonl --calibrate bench/results/bench_engine.json \\
@@ -34,6 +35,7 @@ from pagedkv.cache.spec import KVCacheSpec
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.parallel import kv_heads_per_rank
 from pagedkv.tools import argtypes, cli_simulate, demo
+from pagedkv.tools.cache_formats import formats_lines, formats_report
 from pagedkv.tools.presets import (
     DTYPES,
     MODELS,
@@ -135,10 +137,11 @@ def _info(args: argparse.Namespace) -> int:
 
 def _add_size(sub: argparse._SubParsersAction) -> None:
     p = _command(sub, "size", _size, "KV cache size of a model preset or given dimensions",
-                 "KV cache size: kv_cache_bytes = 2 (K and V) x layers x kv_heads x head_size\n"
-                 "x seq_len x batch x bytes per element; an MLA preset's latent cache: layers x\n"
-                 "576 x seq_len x batch x bytes, beside its MHA form. Model presets: see "
-                 "--list-models.")
+                 "KV cache size: kv_cache_bytes = 2 (K and V) x layers x kv_heads x seq_len\n"
+                 "x batch x bytes per row (head_size x bytes per element, plus a 4-byte scale\n"
+                 "in the int8, int4 and per-token-head fp8 formats); an MLA preset's latent\n"
+                 "cache: layers x 576 x seq_len x batch x bytes, beside its MHA form. Model\n"
+                 "presets: see --list-models.")
     p.add_argument("--model", type=argtypes.model_preset,
                    help="a preset (case-insensitive); see --list-models")
     p.add_argument("--list-models", action="store_true", help="list the presets and exit")
@@ -153,8 +156,13 @@ def _add_size(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=argtypes.positive_int, default=1, help="sequences (default 1)")
     p.add_argument("--dtype", choices=DTYPES, metavar="DTYPE",
                    help="model dtype (default: the preset's, or bf16)")
-    p.add_argument("--cache-dtype", choices=DTYPES, metavar="DTYPE",
-                   help="cache dtype: fp16, bf16, fp32, fp8 (e4m3), fp8_e5m2 (default: --dtype)")
+    p.add_argument("--cache-dtype", type=argtypes.cache_dtype, metavar="FORMAT",
+                   help="cache format (default: --dtype): fp16, bf16, fp32, fp8 (e4m3), fp8_e5m2 "
+                        "(a scale per layer), int8, int4, fp8_per_token_head, "
+                        "fp8_e5m2_per_token_head (a float32 scale per token and head)")
+    p.add_argument("--formats", action="store_true",
+                   help="add a table of every cache format: bytes per token and, with "
+                        "--memory, the sequences each holds against --dtype's")
     p.add_argument("--block-size", type=argtypes.positive_int, default=16,
                    help="tokens per block (default 16)")
     p.add_argument("--memory", type=argtypes.byte_size,
@@ -189,8 +197,11 @@ def _size_spec(args: argparse.Namespace) -> tuple[str, KVCacheSpec, int]:
         rank_kv_heads = kv_heads_per_rank(kv_heads, args.tp)
     except InvalidArgumentError as e:
         args.parser.error(f"argument --tp: {e}")
-    spec = KVCacheSpec(layers, rank_kv_heads, head_size, args.block_size, DTYPES[dtype],
-                       DTYPES[args.cache_dtype] if args.cache_dtype else None, latent=latent)
+    try:
+        spec = KVCacheSpec(layers, rank_kv_heads, head_size, args.block_size, DTYPES[dtype],
+                           args.cache_dtype, latent=latent)
+    except InvalidArgumentError as e:
+        args.parser.error(f"argument --cache-dtype: {e}")
     name = preset.name if preset else "custom"
     return name, spec, args.seq_len or (preset.max_len if preset else 4096)
 
@@ -208,13 +219,16 @@ def _check_latent_options(args: argparse.Namespace, preset: ModelPreset) -> None
 def _shape_lines(name: str, spec: KVCacheSpec, dtype: str, per_token: int,
                  mla: dict | None) -> list[str]:
     """The cache's shape and its bytes per token (an MLA latent: and its MHA form's)."""
-    cache = f"cache {dtype} ({spec.element_size} B), blocks of {spec.block_size}"
+    fmt = spec.format
+    element = f"{fmt.bits / 8:g} B" + (" + a 4 B scale a row" if fmt.token_scaled else "")
+    cache = f"cache {dtype} ({element}), blocks of {spec.block_size}"
+    row = (f"({spec.head_size} x {fmt.bits / 8:g} B + 4 B)" if fmt.token_scaled
+           else f"{spec.head_size} x {spec.element_size} B")
     if mla is None:
         return [f"{name}: {spec.num_layers} layers x {spec.num_kv_heads} KV heads x head size "
                 f"{spec.head_size}, {cache}",
                 f"per token      {format_bytes(per_token):>10}   2 x {spec.num_layers} x "
-                f"{spec.num_kv_heads} x {spec.head_size} x {spec.element_size} B = "
-                f"{per_token:,} B"]
+                f"{spec.num_kv_heads} x {row} = {per_token:,} B"]
     mha = mla["mha_bytes_per_token"]
     return [f"{name}: {spec.num_layers} layers x one latent row of {spec.head_size} (MLA: "
             f"kv_lora_rank {mla['kv_lora_rank']} + rope {mla['rope_dim']}, shared by "
@@ -280,10 +294,11 @@ def _size(args: argparse.Namespace) -> int:
     windows = _layer_windows(args, spec.num_layers)
     memory = args.memory
     r = size_report(spec, seq_len, args.batch, memory)
-    dtype = str(spec.kv_dtype).removeprefix("torch.")
+    dtype = spec.format.name
     data = {"model": name, "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
             "tp": args.tp, "latent": spec.latent,
             "head_size": spec.head_size, "cache_dtype": dtype, "element_size": spec.element_size,
+            "row_bytes": spec.row_bytes, "token_scaled": spec.token_scaled,
             "block_size": spec.block_size, "seq_len": seq_len, "batch": args.batch, **r}
     if spec.latent:
         data["mla"] = mla_report(spec.num_layers, args.model.num_heads, args.model.mla,
@@ -311,6 +326,12 @@ def _size(args: argparse.Namespace) -> int:
     if spec.is_fp8:
         lines.append("fp8 caches also hold one float32 "
                      + ("scale" if spec.latent else "k_scale and v_scale") + " per layer")
+    if spec.token_scaled:
+        lines.append(f"{dtype} rows carry their float32 scale: 4 B of each {spec.row_bytes} B "
+                     "row, counted above")
+    if args.formats:
+        data["formats"] = formats_report(spec, seq_len, memory)
+        lines += formats_lines(data["formats"], spec, seq_len, memory)
     return _print(args, data, "\n".join(lines))
 
 

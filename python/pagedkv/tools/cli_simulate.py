@@ -17,7 +17,7 @@ from typing import Any
 
 from pagedkv.tools import argtypes, report, sim, traces
 from pagedkv.tools.costmodel import DEVICES, CostModel, RooflineModel, load_calibration
-from pagedkv.tools.presets import DTYPES, format_bytes
+from pagedkv.tools.presets import format_bytes
 from pagedkv.tools.presets_mla import mla_report
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
@@ -96,8 +96,9 @@ def _budget_options(group: argparse._ArgumentGroup) -> None:
                        help="KV budget in blocks (overrides --memory)")
     group.add_argument("--block-size", type=argtypes.positive_int, default=16,
                        help="tokens per block (default 16)")
-    group.add_argument("--cache-dtype", choices=DTYPES, metavar="DTYPE",
-                       help="cache dtype (default: the model's)")
+    group.add_argument("--cache-dtype", type=argtypes.cache_dtype, metavar="FORMAT",
+                       help="cache format (default: the model's dtype): bf16, fp8 (a scale per "
+                            "layer), int8, int4, fp8_per_token_head (a scale per token and head)")
 
 
 def _scheduler_options(group: argparse._ArgumentGroup) -> None:
@@ -298,7 +299,8 @@ def _kv_per_token(args: argparse.Namespace) -> dict[str, object]:
     latent beside its MHA form (None: not MLA)."""
     model, tp = args.model, args.tp
     full = model.spec(args.block_size, args.cache_dtype, tp)
-    data: dict[str, object] = {"full_bytes_per_token": full.bytes_per_token, "mla": model.mla and
+    data: dict[str, object] = {"cache_format": full.format.name, "row_bytes": full.row_bytes,
+                               "full_bytes_per_token": full.bytes_per_token, "mla": model.mla and
                                mla_report(model.num_layers, model.num_heads, model.mla,
                                           full.element_size, tp),
                                "hybrid_bytes_per_token": None, "at_tokens": args.max_len}
@@ -309,6 +311,10 @@ def _kv_per_token(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _kv_text(kv: dict[str, object]) -> str:
+    return f"{_kv_bytes_text(kv)}; cache {kv['cache_format']}, rows of {kv['row_bytes']} B"
+
+
+def _kv_bytes_text(kv: dict[str, object]) -> str:
     if mla := kv["mla"]:
         return (f"{format_bytes(kv['full_bytes_per_token'])} per token: one MLA latent row of "
                 f"{mla['latent_size']} a layer, read once for all heads (the MHA form: "

@@ -24,8 +24,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from pagedkv import checks
+from pagedkv.cache.formats import cache_format
 from pagedkv.serving.scheduler import StepShape
-from pagedkv.tools.presets import DTYPES, ModelPreset
+from pagedkv.tools.presets import ModelPreset
 
 __all__ = ["DEVICES", "SHAPE_FIELDS", "CostModel", "DevicePreset", "LinearModel",
            "RooflineModel", "get_device", "load_calibration"]
@@ -174,8 +175,8 @@ class RooflineModel:
 
     def __init__(self, model: ModelPreset, device: DevicePreset, cache_dtype: str | None = None,
                  block_size: int = 16, tp: int = 1) -> None:
-        if cache_dtype is not None and cache_dtype not in DTYPES:
-            raise ValueError(f"cache_dtype must be one of {', '.join(DTYPES)}, got {cache_dtype!r}")
+        if cache_dtype is not None:
+            cache_dtype = cache_format(cache_dtype, "cache_dtype").name
         tp, block_size = checks.positive(tp, "tp"), checks.positive(block_size, "block_size")
         self.model, self.device, self.tp = model, device, tp
         self.spec = model.spec(block_size, cache_dtype)

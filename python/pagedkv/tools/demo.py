@@ -94,17 +94,21 @@ def _serve(model: torch.nn.Module, requests: list[tuple[list[int], int]],
 
 
 def serve_both(model: torch.nn.Module, requests: list[tuple[list[int], int]], budget: int,
-               block_bytes: int, block_size: int, max_model_len: int) -> dict[str, Any]:
+               block_bytes: int, block_size: int, max_model_len: int,
+               cache_dtype: str | None = None) -> dict[str, Any]:
     """The requests served paged (blocks of ``block_size`` tokens, ``block_bytes`` each, prefix
     caching, swap space of 4 budgets) and contiguous (one ``max_model_len`` block a request, no
-    sharing) in ``budget`` bytes of KV memory: both runs' reports and the tokens' agreement."""
+    sharing) in ``budget`` bytes of KV memory, both in the cache format ``cache_dtype`` (None:
+    the model's dtype): both runs' reports and the tokens' agreement."""
     num_seqs = len(requests)
     paged, paged_out = _serve(model, requests, EngineConfig(
         block_size=block_size, num_blocks=None, kv_cache_bytes=budget,
-        num_cpu_blocks=4 * budget // block_bytes, max_num_seqs=num_seqs))
+        num_cpu_blocks=4 * budget // block_bytes, max_num_seqs=num_seqs,
+        cache_dtype=cache_dtype))
     contiguous, contiguous_out = _serve(model, requests, EngineConfig(
         block_size=max_model_len, num_blocks=None, kv_cache_bytes=budget,
-        enable_prefix_caching=False, reserve_null_block=False, max_num_seqs=num_seqs))
+        enable_prefix_caching=False, reserve_null_block=False, max_num_seqs=num_seqs,
+        cache_dtype=cache_dtype))
     return {
         "paged": paged,
         "contiguous": contiguous,
@@ -126,11 +130,14 @@ def run_demo(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     tp: TensorParallel | None = None,
+    cache_dtype: str | None = None,
 ) -> dict[str, Any]:
     """Serve the same requests paged and contiguous under one KV budget; returns both reports.
 
-    The budget holds ``kv_budget_requests`` contiguous reservations of ``max_model_len`` tokens;
-    with ``tp`` (this rank among several) each rank gets an equal share of it.
+    The budget holds ``kv_budget_requests`` contiguous reservations of ``max_model_len`` tokens
+    in the model's ``dtype``; with ``tp`` (this rank among several) each rank gets an equal share
+    of it. ``cache_dtype``: the cache format both runs store K/V in (None: ``dtype``); a smaller
+    one holds more requests in the same budget.
     """
     tp = tp or TensorParallel()
     if system_prompt_len + max_prompt + max_tokens > max_model_len:
@@ -141,12 +148,14 @@ def run_demo(
                              max_tokens, seed)
     budget = config.kv_cache_spec(max_model_len, dtype).bytes_per_block * kv_budget_requests
     rank_budget = budget // tp.size
-    rank_block = config.kv_cache_spec(block_size, dtype, tp_size=tp.size).bytes_per_block
-    runs = serve_both(model, requests, rank_budget, rank_block, block_size, max_model_len)
+    rank_spec = config.kv_cache_spec(block_size, dtype, cache_dtype, tp_size=tp.size)
+    runs = serve_both(model, requests, rank_budget, rank_spec.bytes_per_block, block_size,
+                      max_model_len, cache_dtype)
     return {
         "model": {"name": "llama", "layers": config.num_hidden_layers, "hidden": config.hidden_size,
                   "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
                   "vocab": config.vocab_size, "dtype": str(dtype).removeprefix("torch."),
+                  "cache_dtype": rank_spec.format.name,
                   "device": str(device),
                   "linears": "onednn" if model.packed_dtype is not None else "F.linear"},
         "requests": num_requests,
@@ -170,7 +179,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"model: {model['layers']} layers, hidden {model['hidden']}, {model['heads']} heads / "
         f"{model['kv_heads']} kv heads, vocab {model['vocab']}, {model['dtype']} on "
-        f"{model['device']} (random weights)",
+        f"{model['device']} (random weights), {model['cache_dtype']} KV cache",
         requests_line(report),
     ]
     if report["tp"] > 1:
@@ -252,6 +261,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available()
                         else "cpu", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("--cache-dtype", type=argtypes.cache_dtype, metavar="FORMAT",
+                        help="KV cache format of both runs (default: --dtype): int8, int4, "
+                             "fp8_per_token_head (a scale per token and head), fp8 (a scale "
+                             "per layer); the budget stays --dtype's, so more requests fit")
     parser.add_argument("--seed", type=argtypes.count, default=0, help="seed (default 0)")
     parser.add_argument("--threads", type=argtypes.positive_int,
                         help="torch CPU threads (default: torch's)")
@@ -271,6 +284,9 @@ def run(args: argparse.Namespace) -> int:
     if args.model == "deepseek":
         from pagedkv.tools import demo_mla
 
+        if args.cache_dtype is not None:
+            args.parser.error("argument --cache-dtype: the deepseek demo serves its latent "
+                              "cache in --dtype")
         return demo_mla.run(args)
     _check_tp(args.parser, args.tp)
     if args.threads:
@@ -281,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
         device = tp.device if on_gpu else args.device
         report = run_demo(args.requests, args.system_prompt_len, args.max_prompt,
                           args.max_tokens, args.max_model_len, args.kv_budget_requests,
-                          args.block_size, device, getattr(torch, args.dtype), args.seed, tp)
+                          args.block_size, device, getattr(torch, args.dtype), args.seed, tp,
+                          args.cache_dtype)
     except TensorParallelError as e:
         print(f"pagedkv demo: error: {e}", file=sys.stderr)
         return 1

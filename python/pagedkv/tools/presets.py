@@ -31,7 +31,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
 }
-"""Names accepted for ``--dtype`` / ``--cache-dtype``; ``fp8`` means e4m3."""
+"""Names accepted for ``--dtype``; ``fp8`` means e4m3. ``--cache-dtype`` takes these and the
+quantized formats (``pagedkv.cache.formats``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +101,10 @@ class ModelPreset:
              hybrid: bool = False) -> KVCacheSpec:
         """The KVCacheSpec of this model's cache (of one of ``tp`` tensor-parallel ranks):
         every layer attending in full, or with ``hybrid`` its layers' windows (KV cache groups
-        paged as the hybrid manager pages them). An MLA latent is the same on every rank."""
-        kv = DTYPES[cache_dtype] if cache_dtype else None
+        paged as the hybrid manager pages them). An MLA latent is the same on every rank.
+        ``cache_dtype``: a format name (``pagedkv.cache.formats``; None: the model's dtype)."""
         return KVCacheSpec(self.num_layers, kv_heads_per_rank(self.num_kv_heads, tp),
-                           self.head_size, block_size, DTYPES[self.dtype], kv,
+                           self.head_size, block_size, DTYPES[self.dtype], cache_dtype or None,
                            self.layer_windows if hybrid else None, latent=self.mla is not None)
 
     def check_tp(self, tp: int) -> None:
