@@ -11,7 +11,9 @@
 // odd sequence and query lengths, shuffled block tables, block sizes 7, 16 and 32, head sizes
 // 64, 72, 128 and 256, GQA 1, 4 and 8, sliding window, soft cap and ALiBi, and an MLA case (one
 // latent of 576 per token: K the whole row, V its first 512 elements, read from the same
-// cache); outputs poisoned with NaN before the run.
+// cache); outputs poisoned with NaN before the run. Cases with int8 and int4 caches (rows of
+// bf16 numbers quantized with a scale per (token, head), as reshape_and_cache writes them) run
+// the float path against the reference over their dequantized values, decode and prefill items.
 //
 // Bound per output element (row r, column d), with p_t the reference probabilities and
 // B = sum_t p_t |v_t[d]|: the float path is within 2^-8 |ref| (rounding the output to bfloat16)
@@ -84,6 +86,7 @@ struct Case {
   bool alibi = false;
   int head_size_v = 0;  // of V and out: 0 = head_size
   bool latent = false;  // MLA: V is the first head_size_v elements of the K row (one cache)
+  DType format = DType::kBFloat16;  // or kInt8 / kInt4: rows quantized with a scale each
 
   int dv() const { return head_size_v ? head_size_v : head_size; }
 };
@@ -94,6 +97,8 @@ struct Batch {
   int num_tokens = 0, max_blocks = 0, num_blocks = 0;
   std::vector<int> query_start;
   std::vector<uint16_t> query, key_cache, value_cache;
+  std::vector<uint8_t> key_q, value_q;      // int8 / int4 rows (format), from the bf16 ones
+  std::vector<float> key_scales, value_scales;  // [block][kv head][token]
   std::vector<int32_t> table;
   std::vector<float> slopes;
   std::vector<double> ref, bound, ref_lse;  // [token][head][d], [token][head]
@@ -121,7 +126,38 @@ struct Batch {
     table.assign(ids.begin(), ids.begin() + S * max_blocks);
     if (c.alibi)
       for (int h = 0; h < c.heads; ++h) slopes.push_back(std::exp2(-8.f * (h + 1) / c.heads));
+    if (c.format != DType::kBFloat16) {
+      quantize(key_cache, key_q, key_scales);
+      quantize(value_cache, value_q, value_scales);
+    }
     reference();
+  }
+
+  bool int4() const { return c.format == DType::kInt4; }
+
+  // Each row of a bf16 cache quantized as reshape_and_cache writes int8 / int4: scale =
+  // absmax / qmax, round(x / scale) half to even; int4 two a byte, element 2i low.
+  void quantize(const std::vector<uint16_t>& cache, std::vector<uint8_t>& q,
+                std::vector<float>& scales) const {
+    const int D = c.head_size;
+    const float qmax = quant_max(c.format);
+    const size_t rows = cache.size() / D;
+    q.assign(int4() ? rows * D / 2 : rows * D, 0);
+    scales.assign(rows, 0.f);
+    for (size_t r = 0; r < rows; ++r) {
+      float amax = 0.f;
+      for (int d = 0; d < D; ++d) amax = std::max(amax, std::fabs(from_bf16(cache[r * D + d])));
+      const float scale = amax / qmax;
+      scales[r] = scale;
+      for (int d = 0; d < D; ++d) {
+        const int v = scale == 0.f ? 0 : static_cast<int>(std::nearbyint(
+            std::clamp(from_bf16(cache[r * D + d]) / scale, -qmax, qmax)));
+        if (int4())
+          q[r * D / 2 + d / 2] |= static_cast<uint8_t>((v & 0xF) << (d % 2 ? 4 : 0));
+        else
+          q[r * D + d] = static_cast<uint8_t>(static_cast<int8_t>(v));
+      }
+    }
   }
 
   float k(int s, int kv, int pos, int d) const { return element(key_cache, s, kv, pos, d); }
@@ -130,9 +166,20 @@ struct Batch {
   }
   float element(const std::vector<uint16_t>& cache, int s, int kv, int pos, int d) const {
     const int64_t block = table[s * max_blocks + pos / c.block_size];
-    const int64_t i =
-        ((block * c.kv_heads + kv) * c.block_size + pos % c.block_size) * c.head_size + d;
-    return from_bf16(cache[i]);
+    const int64_t row = (block * c.kv_heads + kv) * c.block_size + pos % c.block_size;
+    if (c.format == DType::kBFloat16) return from_bf16(cache[row * c.head_size + d]);
+    const bool keys = &cache == &key_cache;
+    const std::vector<uint8_t>& q = keys ? key_q : value_q;
+    const float scale = (keys ? key_scales : value_scales)[row];
+    int v;
+    if (int4()) {
+      const int byte = q[row * c.head_size / 2 + d / 2];
+      v = (d % 2 ? byte >> 4 : byte) & 0xF;
+      v -= (v & 8) << 1;
+    } else {
+      v = static_cast<int8_t>(q[row * c.head_size + d]);
+    }
+    return v * scale;
   }
 
   void reference() {
@@ -206,6 +253,16 @@ int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label) {
   p.value_cache = c.latent ? p.key_cache
                            : PagedKVView{const_cast<uint16_t*>(b.value_cache.data()), hnd,
                                          c.block_size};
+  if (c.format != DType::kBFloat16) {  // rows of D (int8) or D / 2 (int4) bytes, and scales
+    const int64_t row = b.int4() ? D / 2 : D;
+    const CacheStrides bytes{int64_t{c.kv_heads} * c.block_size * row, c.block_size * row, row};
+    const CacheStrides floats{int64_t{c.kv_heads} * c.block_size, c.block_size, 1};
+    p.key_cache = PagedKVView{const_cast<uint8_t*>(b.key_q.data()), bytes, c.block_size};
+    p.value_cache = PagedKVView{const_cast<uint8_t*>(b.value_q.data()), bytes, c.block_size};
+    p.key_scales = PagedKVView{const_cast<float*>(b.key_scales.data()), floats, c.block_size};
+    p.value_scales =
+        PagedKVView{const_cast<float*>(b.value_scales.data()), floats, c.block_size};
+  }
   p.block_tables = b.table.data();
   p.block_table_stride = b.max_blocks;
   p.seq_lens = seq_lens.data();
@@ -227,7 +284,8 @@ int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label) {
   p.sliding_window = c.window;
   p.scale = 1.f / std::sqrt(float(D));
   p.soft_cap = c.soft_cap;
-  p.dtype = p.cache_dtype = DType::kBFloat16;
+  p.dtype = DType::kBFloat16;
+  p.cache_dtype = c.format;
 
   const int tile = std::max(1, cpu::kPrefillRows / group);
   std::vector<float> scratch(cpu::scratch_floats(std::max(H, cpu::kPrefillRows), D));
@@ -295,6 +353,12 @@ int main(int argc, char** argv) {
       {"gqa4 d64 bs16 window alibi", 8, 2, 64, 16, {259, 47}, {203, 47}, 100, 0.f, true},
       {"mla 16 heads d576/512", 16, 1, 576, 16, {200, 37, 90}, {1, 37, 3}, -1, 0.f, false, 512,
        true},
+      {"int8 gqa4 d128 bs16", 32, 8, 128, 16, {301, 64, 9, 1000}, {301, 1, 9, 1}, -1, 0.f,
+       false, 0, false, DType::kInt8},
+      {"int4 gqa4 d80 bs7 window", 8, 2, 80, 7, {333, 150, 1}, {97, 1, 1}, 50, 0.f, false, 0,
+       false, DType::kInt4},
+      {"int4 gqa8 d128 bs16 alibi", 16, 2, 128, 16, {259, 47}, {1, 47}, -1, 0.f, true, 0,
+       false, DType::kInt4},
   };
   std::mt19937 rng(2026);
   int bad = 0;
@@ -306,6 +370,11 @@ int main(int argc, char** argv) {
       continue;
     }
     const Batch batch(c, rng);
+    if (c.format != DType::kBFloat16) {  // the float path reads them (no pairs of int rows)
+      const cpu::Attend run = c.format == DType::kInt8 ? kernels.int8_path : kernels.int4_path;
+      bad += check(batch, run, false, c.name);
+      continue;
+    }
     bad += check(batch, kernels.float_path, false, (std::string(c.name) + ", float").c_str());
     bad += check(batch, kernels.pair_path, true, (std::string(c.name) + ", pairs").c_str());
   }

@@ -53,12 +53,13 @@ namespace pagedkv::cpu::PKV_CAT(PKV_PAIRS_SET, _pairs) {
 
 namespace pagedkv::cpu {
 
-// attend_item<bf16_t>, not attend: the test runs bf16 caches only, and the other cache types'
-// instantiations would take four fifths of the compile (setup.py compiles them all, -Wextra).
+// attend_item of the cache types the test runs, not attend: the others' instantiations would
+// take most of the compile (setup.py compiles them all, -Wextra).
 PairSet PKV_CAT(pairs_set_, PKV_PAIRS_SET)() {
   namespace f = PKV_CAT(PKV_PAIRS_SET, _float);
   namespace p = PKV_CAT(PKV_PAIRS_SET, _pairs);
-  return {&f::attend_item<f::bf16_t>, &p::attend_item<p::bf16_t>, f::W};
+  return {&f::attend_item<f::bf16_t>, &p::attend_item<p::bf16_t>, f::W,
+          &f::attend_item<int8_t>, &f::attend_item<f::i4x2_t>};
 }
 
 }  // namespace pagedkv::cpu

@@ -11,6 +11,7 @@ using Attend = void (*)(const PagedAttentionParams&, const WorkItem&, float*, co
 struct PairSet {
   Attend float_path, pair_path;
   int lanes;  // float lanes of the set's vectors
+  Attend int8_path, int4_path;  // the float path over int8 / int4 caches with row scales
 };
 
 PairSet pairs_set_base();
