@@ -24,7 +24,7 @@ FORMAT_IDS = ["int8", "int4", "fp8e4m3", "fp8e5m2"]
 # Backends whose kernels write / read these formats; the others refuse them, before writing
 # anything.
 QUANTIZED_WRITE_BACKENDS = {"cpu", "cuda", "simt-forward", "simt-random"}
-QUANTIZED_READ_BACKENDS = {"cpu"}
+QUANTIZED_READ_BACKENDS = {"cpu", "cuda", "simt-forward", "simt-random"}
 
 
 def stored_width(fmt: torch.dtype, head_size: int) -> int:
