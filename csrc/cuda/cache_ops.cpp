@@ -16,7 +16,6 @@ namespace pagedkv {
 namespace {
 
 void reshape_and_cache(const ReshapeAndCacheParams& p, const at::Tensor& key_cache) {
-  check_cache_write_kernel(p, "cuda");
   const c10::cuda::CUDAGuard guard(key_cache.device());
   C10_CUDA_CHECK(cuda::reshape_and_cache(p, c10::cuda::getCurrentCUDAStream()));
 }

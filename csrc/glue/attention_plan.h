@@ -6,7 +6,6 @@
 
 #include <utility>
 
-#include "glue/tensor_checks.h"
 #include "kernels/attention_launch.h"
 
 namespace pagedkv {
@@ -18,9 +17,6 @@ constexpr int64_t kMaxGridYZ = 65535;
 // limits (sequences and kv heads are the attention kernel's grid y / z, query heads the
 // reduce kernel's grid y).
 inline void check_attention_kernel_exists(const PagedAttentionParams& p, const char* backend) {
-  TORCH_CHECK(!is_int_cache(p.cache_dtype) && p.key_scales.data == nullptr, "paged_attention (",
-              backend, "): no kernel reads int8, int4 or per-(token, head) fp8 caches on this "
-              "backend yet; the cpu backend does");
   TORCH_CHECK(attention_padded_head(p.head_size) != 0, "paged_attention (", backend,
               "): no kernel for head_size ", p.head_size,
               "; the kernels take multiples of 8 up to ", kMaxCudaAttentionHeadSize);

@@ -1,10 +1,12 @@
-// Cache rows as the attention kernel reads them: 8-element chunks loaded as 16-byte (fp8: 8-byte)
-// vectors when the cache is aligned for it, byte by byte otherwise, converted to float; and the
-// block-table division by the block size.
+// Cache rows as the attention kernel reads them: 8-element chunks loaded as 16-byte (fp8, int8:
+// 8-byte; int4: 4-byte) vectors when the cache is aligned for it, byte by byte otherwise,
+// converted to float (unscaled); and the block-table division by the block size.
 #pragma once
 #include "kernels/compat.cuh"
 #include "kernels/dtypes.cuh"
 #include "kernels/memory.cuh"
+
+#include <type_traits>
 
 namespace pagedkv {
 namespace PAGEDKV_KERNEL_NS {
@@ -12,10 +14,16 @@ namespace attn {
 
 constexpr int kChunkElems = 8;  // head dims per lane and token
 
-// 8 cache elements as raw 32-bit words (2 for fp8, 4 for 16-bit, 8 for fp32).
+// Elements of one stored unit of C: two for int4 (a byte holds a pair), one otherwise. A lane's
+// offset of `dim` elements into a row is dim / kUnitElems<C> units.
+template <typename C>
+constexpr int kUnitElems = std::is_same_v<C, int4x2> ? 2 : 1;
+
+// 8 cache elements as raw 32-bit words (1 for int4, 2 for fp8 and int8, 4 for 16-bit, 8 for
+// fp32).
 template <typename C>
 struct Chunk {
-  static constexpr int kWords = static_cast<int>(sizeof(C)) * kChunkElems / 4;
+  static constexpr int kWords = static_cast<int>(sizeof(C)) * kChunkElems / kUnitElems<C> / 4;
   uint32_t w[kWords];
 };
 
@@ -25,7 +33,9 @@ template <bool kVec, typename C>
 __device__ __forceinline__ Chunk<C> load_chunk(const C* ptr) {
   Chunk<C> c;
   if constexpr (kVec) {
-    if constexpr (Chunk<C>::kWords == 2) {
+    if constexpr (Chunk<C>::kWords == 1) {
+      c.w[0] = load_ro(reinterpret_cast<const uint32_t*>(ptr), "kv");
+    } else if constexpr (Chunk<C>::kWords == 2) {
       const uint2 x = load_ro(reinterpret_cast<const uint2*>(ptr), "kv");
       c.w[0] = x.x, c.w[1] = x.y;
     } else {
@@ -96,6 +106,24 @@ __device__ __forceinline__ void to_floats(const Chunk<fp8_e4m3>& c, float (&f)[k
 }
 __device__ __forceinline__ void to_floats(const Chunk<fp8_e5m2>& c, float (&f)[kChunkElems]) {
   fp8_to_floats<__NV_E5M2>(c, f);
+}
+
+// int8: x + 128 as the low mantissa byte of 2^23 (one byte permute), less 2^23 + 128 (one add):
+// exact, and cheaper than an integer-to-float conversion.
+__device__ __forceinline__ void to_floats(const Chunk<int8_t>& c, float (&f)[kChunkElems]) {
+#pragma unroll
+  for (int i = 0; i < kChunkElems; ++i) {
+    const uint32_t biased = __byte_perm(c.w[i / 4] ^ 0x80808080u, 0x4B000000u, 0x7440u | (i % 4));
+    f[i] = __uint_as_float(biased) - 8388736.f;
+  }
+}
+// int4 (element i in nibble i of the word): likewise x + 8 as the low mantissa bits of 2^23.
+__device__ __forceinline__ void to_floats(const Chunk<int4x2>& c, float (&f)[kChunkElems]) {
+  const uint32_t biased = c.w[0] ^ 0x88888888u;
+#pragma unroll
+  for (int i = 0; i < kChunkElems; ++i) {
+    f[i] = __uint_as_float(0x4B000000u | ((biased >> (4 * i)) & 0xFu)) - 8388616.f;
+  }
 }
 
 // 2^x for the online softmax: ex2.approx.ftz under nvcc (one MUFU.EX2, no denormal handling;

@@ -22,6 +22,9 @@ cudaError_t paged_attention_typed(const PagedAttentionParams& p, const Attention
                                   cudaStream_t stream);
 template <typename T>
 cudaError_t launch_merge_attn_states(const MergeAttnParams& p, cudaStream_t stream);
+template <typename C>
+cudaError_t paged_attention_row_scaled_typed(const PagedAttentionParams& p,
+                                             const AttentionPlan& plan, cudaStream_t stream);
 
 }  // namespace attn
 namespace attn_tc {
@@ -53,9 +56,17 @@ cudaError_t paged_attention_of(const PagedAttentionParams& p, const AttentionLau
   }
 }
 
+// Caches quantized per (token, head) run on the CUDA-core kernel only (attention_tc_supported
+// excludes them), its instantiations of csrc/*/attention_row_scaled.*.
 cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionLaunch& launch,
                             cudaStream_t stream) {
   if (p.num_tokens == 0 || p.num_seqs == 0) return cudaSuccess;
+  if (p.key_scales.data != nullptr) {
+    if (launch.kernel != AttentionKernel::kCudaCore) return cudaErrorInvalidValue;
+    return with_token_scaled_type(p.cache_dtype, [&]<typename C>() {
+      return attn::paged_attention_row_scaled_typed<C>(p, launch.plan, stream);
+    });
+  }
   switch (p.dtype) {
     case DType::kFloat32: return paged_attention_of<float>(p, launch, stream);
     case DType::kFloat16: return paged_attention_of<__half>(p, launch, stream);

@@ -6,9 +6,11 @@
 // query head) pair of the kv head's group; a tile holds up to kRows rows, so in decode one block
 // computes every query head of the group and each K/V element is read from memory once. The block
 // streams its partition's tokens: each token row is split into 8-element chunks, one per lane of a
-// lane group; K and V chunks arrive as 16-byte loads (8 bytes for fp8), S = QK^T is reduced across
-// the group with shuffles, and every lane group keeps its own online softmax state (m, l, acc) in
-// fp32, merged across groups and warps at the end (the math of merge_attn_states).
+// lane group; K and V chunks arrive as 16-byte loads (8 bytes for fp8 and int8, 4 for int4),
+// S = QK^T is reduced across the group with shuffles, and every lane group keeps its own online
+// softmax state (m, l, acc) in fp32, merged across groups and warps at the end (the math of
+// merge_attn_states). Caches quantized per (token, head) take each row's scale beside it
+// (kRowScales).
 //
 // With several partitions each block writes a normalized partial output and its log-sum-exp to a
 // workspace and the reduce kernel merges them.
@@ -84,7 +86,10 @@ struct DecodeSmem {
 
 // grid: (row_tiles * num_parts, num_seqs, num_kv_heads), block: kThreads,
 // dynamic smem: DecodeSmem<HEAD>::kBytes. p.head_size <= HEAD.
-template <typename T, typename C, int HEAD>
+// kRowScales: a cache quantized per (token, head) (int8, int4, fp8 with p.key_scales): each key's
+// scale multiplies its score after the dot product, each value's its probability in P V (the
+// softmax's sum l stays unscaled); T is then AnyQuery.
+template <typename T, typename C, int HEAD, bool kRowScales = false>
 __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksPerSm)
     paged_attention_kernel(const PagedAttentionParams p, const AttentionPlan plan) {
   using L = Layout<HEAD>;
@@ -109,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksP
   const int head_size = p.head_size;
   float qk_scale = p.scale * kLog2e;  // scores in the log2 domain straight from the dot product
   float v_scale = 1.f;
-  if constexpr (is_fp8<C>::value) {
+  if constexpr (is_fp8<C>::value && !kRowScales) {  // per-tensor scales
     qk_scale *= *p.k_scale;
     v_scale = *p.v_scale;
   }
@@ -122,12 +127,7 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksP
   for (int i = tid; i < kRows * HEAD; i += kThreads) {
     const int r = i / HEAD, d = i % HEAD;
     float x = 0.f;
-    if (r < rows && d < head_size) {
-      const T* q = static_cast<const T*>(p.query) +
-                   static_cast<int64_t>(tile.token(r)) * p.q_token_stride +
-                   static_cast<int64_t>(tile.head(r)) * p.q_head_stride;
-      x = to_float(load(q + d, "query")) * qk_scale;
-    }
+    if (r < rows && d < head_size) x = query_elem<T>(p, tile.token(r), tile.head(r), d) * qk_scale;
     q_smem[i] = x;
   }
   __syncthreads();
@@ -161,6 +161,7 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksP
   // The caches seen from this kv head and this lane's chunk: rows are then one offset away,
   // computed once per token for K and V when their strides agree.
   const KVRows<C> kv(p, tile.seq, kv_head, dim0);
+  [[maybe_unused]] const RowScales row_scales(p, kv_head);
   const bool vec = plan.vectorized;
   const bool kv_same = kv.same_strides();
   // Token of load u of this lane group in the iteration starting at `base`.
@@ -179,12 +180,28 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksP
     }
   };
   locate(part_begin);
+  // kRowScales: lane `chunk` < U of each lane group holds the K and V scales of the group's token
+  // `chunk` of the iteration, located by itself (so also in lanes past head_size), and shuffles
+  // them to its group where they are used: two scale registers a lane instead of 2U.
+  static_assert(!kRowScales || U <= L::kLanes, "a lane group holds a scale per token");
+  [[maybe_unused]] int scale_phys = -1, scale_slot = 0;
+  auto locate_scales = [&](int base) {
+    if constexpr (kRowScales) {
+      const int t = token_of(base, chunk);
+      int blk, off;
+      kv.div.divmod(t, blk, off);
+      scale_phys = chunk < U && t < part_end ? load_ro(kv.table + blk, "table") : -1;
+      scale_slot = off;
+    }
+  };
+  locate_scales(part_begin);
 
   // One block iteration: U tokens per lane group. kMasked: the general body (soft cap, ALiBi,
   // the causal / window / partition masks); otherwise every token of the iteration is valid for
   // every row and no feature is on, and none of that code runs.
   auto iteration = [&]<bool kMasked>(int base) {
     Chunk<C> kc[U][NC], vc[U][NC];
+    [[maybe_unused]] float k_scale = 0.f, v_scale_row = 0.f;  // kRowScales: of this lane's token
     // Aligned caches take the vector loads, others the byte loads; K and V share the offset when
     // their strides agree: one uniform branch per iteration. Offsets in bytes, unsigned (phys >= 0):
     // one 32 x 32 -> 64-bit multiply-add per row.
@@ -203,8 +220,8 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksP
 #pragma unroll
           for (int c = 0; c < NC; ++c) {
             if (c == 0 || chunk_active[c]) {
-              kc[u][c] = load_chunk<kVec>(kv.k_row(k_off) + c * kChunkElems);
-              vc[u][c] = load_chunk<kVec>(kv.v_row(v_off) + c * kChunkElems);
+              kc[u][c] = load_chunk<kVec>(kv.k_row(k_off) + c * (kChunkElems / kUnitElems<C>));
+              vc[u][c] = load_chunk<kVec>(kv.v_row(v_off) + c * (kChunkElems / kUnitElems<C>));
             }
           }
         }
@@ -217,7 +234,16 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksP
     } else {
       load_all.template operator()<false, false>();
     }
+    if constexpr (kRowScales) {
+      if (scale_phys >= 0) {
+        const uint32_t blk = static_cast<uint32_t>(scale_phys);
+        const uint32_t off = static_cast<uint32_t>(scale_slot);
+        k_scale = row_scales.key(blk, off);
+        v_scale_row = row_scales.value(blk, off);
+      }
+    }
     locate(base + kStep);  // next iteration's block table entries, while K/V are in flight
+    locate_scales(base + kStep);
 
     // S = Q K^T for this group's U tokens: each K chunk converted once, for every row; q read
     // from shared memory per row (registers hold one row's 8 dims at a time).
@@ -257,6 +283,17 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksP
         }
       }
     }
+    // Each token's score times its K row's scale (the dequantized key's dot product).
+    if constexpr (kRowScales) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float scale = __shfl_sync(kFullMask, k_scale, u, L::kLanes);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if (r == 0 || r < rows) s[u][r] *= scale;
+        }
+      }
+    }
 
     // Online softmax: the scores become probabilities in s.
 #pragma unroll
@@ -288,6 +325,18 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksP
         for (int u = 0; u < U; ++u) {
           s[u][r] = fast_exp2(s[u][r] - base_m);
           l[r] += s[u][r];
+        }
+      }
+    }
+    // Each probability times its V row's scale, after l took it unscaled: P V over the
+    // dequantized values.
+    if constexpr (kRowScales) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float scale = __shfl_sync(kFullMask, v_scale_row, u, L::kLanes);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if (r == 0 || r < rows) s[u][r] *= scale;
         }
       }
     }
@@ -376,9 +425,7 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksP
     }
     o = sum > 0.f ? o / sum * v_scale : 0.f;
     const float lse = sum > 0.f ? (m_all + log2f(sum)) * kLn2 : -INFINITY;
-    const OutRow<T> dst(p, plan, row_token[r], row_head[r], tile.part, lse);
-    dst.put(d, o);
-    if (d == 0) dst.put_lse();
+    put_result<T>(p, plan, row_token[r], row_head[r], tile.part, lse, d, o);
   }
 }
 
@@ -387,6 +434,25 @@ cudaError_t launch_paged_attention(const PagedAttentionParams& p, const Attentio
                                    cudaStream_t stream) {
   return launch_attention<T>(paged_attention_kernel<T, C, HEAD>, kThreads,
                              DecodeSmem<HEAD>::kBytes, p, plan, stream);
+}
+
+// A cache quantized per (token, head) of element type C (int8_t, int4x2, fp8 with row scales):
+// the row-scaled kernel of each head size, one for every query dtype (AnyQuery), then the
+// split-K reduce of p.dtype's.
+template <typename C>
+cudaError_t paged_attention_row_scaled_typed(const PagedAttentionParams& p,
+                                             const AttentionPlan& plan, cudaStream_t stream) {
+  return with_padded_head(p.head_size, [&]<int HEAD>() {
+    auto kernel = paged_attention_kernel<AnyQuery, C, HEAD, true>;
+    constexpr size_t smem = DecodeSmem<HEAD>::kBytes;
+    switch (p.dtype) {
+      case DType::kFloat32: return launch_attention<float>(kernel, kThreads, smem, p, plan, stream);
+      case DType::kFloat16: return launch_attention<__half>(kernel, kThreads, smem, p, plan, stream);
+      case DType::kBFloat16:
+        return launch_attention<__nv_bfloat16>(kernel, kThreads, smem, p, plan, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  });
 }
 
 template <typename T>
@@ -419,4 +485,11 @@ cudaError_t paged_attention_typed(const PagedAttentionParams& p, const Attention
   template cudaError_t paged_attention_typed<T>(const PagedAttentionParams&,                   \
                                                 const AttentionPlan&, cudaStream_t);           \
   template cudaError_t launch_merge_attn_states<T>(const MergeAttnParams&, cudaStream_t);      \
+  }
+
+// Explicit instantiation of the row-scaled kernels of cache element type C (every query dtype).
+#define PAGEDKV_INSTANTIATE_ATTENTION_ROW_SCALED(C)                                             \
+  namespace pagedkv::PAGEDKV_KERNEL_NS::attn {                                                 \
+  template cudaError_t paged_attention_row_scaled_typed<C>(const PagedAttentionParams&,        \
+                                                           const AttentionPlan&, cudaStream_t); \
   }

@@ -18,7 +18,7 @@ struct AttentionPlan {
   int32_t row_tiles;    // tiles of kAttnRowsPerBlock (query token, query head) rows per sequence
   int32_t num_parts;    // context partitions (split-K); 1 = write the output directly
   int32_t part_tokens;  // keys per partition
-  bool vectorized;      // caches aligned for 16-byte (fp8: 8-byte) chunk loads
+  bool vectorized;      // caches aligned for 16-byte chunk loads (fp8, int8: 8; int4: 4)
   float* tmp_out;       // [num_tokens, num_heads, num_parts, head_size_v] when num_parts > 1
   float* tmp_lse;       // [num_tokens, num_heads, num_parts] when num_parts > 1
 };
@@ -105,7 +105,8 @@ inline AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int sm_
   // max_seq_len (a CUDA graph's replay of longer sequences); one partition covers everything.
   plan.part_tokens = parts == 1 ? (1 << 30) : static_cast<int32_t>(part_tokens);
   const int64_t elem = attention_element_size(p.cache_dtype);
-  const int64_t align = std::min<int64_t>(16, 8 * elem);
+  // A lane's chunk of 8 elements: 16 bytes, 8 for 1-byte elements, 4 for int4 (strides in bytes).
+  const int64_t align = p.cache_dtype == DType::kInt4 ? 4 : std::min<int64_t>(16, 8 * elem);
   auto ok = [&](int64_t stride) { return stride * elem % align == 0; };
   auto ok_cache = [&](const PagedKVView& c) {
     return ok(c.strides.block) && ok(c.strides.head) && ok(c.strides.token) &&

@@ -15,6 +15,8 @@
 #include "kernels/dtypes.cuh"
 #include "kernels/memory.cuh"
 
+#include <type_traits>
+
 namespace pagedkv {
 namespace PAGEDKV_KERNEL_NS {
 namespace attn {
@@ -109,8 +111,10 @@ struct KVRows {
   Div div;
 
   __device__ __forceinline__ KVRows(const PagedAttentionParams& p, int seq, int kv_head, int dim)
-      : k(reinterpret_cast<const char*>(p.key_cache.as<const C>().head(kv_head, dim).data)),
-        v(reinterpret_cast<const char*>(p.value_cache.as<const C>().head(kv_head, dim).data)),
+      : k(reinterpret_cast<const char*>(
+            p.key_cache.as<const C>().head(kv_head, dim / kUnitElems<C>).data)),
+        v(reinterpret_cast<const char*>(
+            p.value_cache.as<const C>().head(kv_head, dim / kUnitElems<C>).data)),
         table(p.block_tables + static_cast<int64_t>(seq) * p.block_table_stride),
         k_block(static_cast<uint32_t>(p.key_cache.strides.block * sizeof(C))),
         k_token(static_cast<uint32_t>(p.key_cache.strides.token * sizeof(C))),
@@ -141,6 +145,52 @@ struct KVRows {
     return reinterpret_cast<const C*>(v + offset);
   }
 };
+
+// The per-(token, head) scales of one kv head's K and V rows (PagedAttentionParams::key_scales,
+// value_scales; quantized caches): key t's at its physical block and token, in the scales' own
+// strides (floats). Null views (other caches) are never read.
+struct RowScales {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t k_block, k_token, v_block, v_token;
+
+  __device__ __forceinline__ RowScales(const PagedAttentionParams& p, int kv_head)
+      : k_block(p.key_scales.strides.block), k_token(p.key_scales.strides.token),
+        v_block(p.value_scales.strides.block), v_token(p.value_scales.strides.token) {
+    if (p.key_scales.data != nullptr) {
+      k = static_cast<const float*>(p.key_scales.data) + kv_head * p.key_scales.strides.head;
+      v = static_cast<const float*>(p.value_scales.data) + kv_head * p.value_scales.strides.head;
+    }
+  }
+  __device__ __forceinline__ float key(uint32_t blk, uint32_t off) const {
+    return load_ro(k + blk * k_block + off * k_token, "kv_scales");
+  }
+  __device__ __forceinline__ float value(uint32_t blk, uint32_t off) const {
+    return load_ro(v + blk * v_block + off * v_token, "kv_scales");
+  }
+};
+
+// The query dtype as a kernel's template argument when it is read from p.dtype at run time
+// instead: the row-scaled CUDA-core kernels are one instantiation for every query dtype (the
+// dtype only touches the query's load and the output's store, outside the key loop).
+struct AnyQuery {};
+
+// Element d of query row (token, head), as float.
+template <typename T>
+__device__ __forceinline__ float query_elem(const PagedAttentionParams& p, int64_t token, int head,
+                                            int d) {
+  if constexpr (std::is_same_v<T, AnyQuery>) {
+    switch (p.dtype) {
+      case DType::kFloat32: return query_elem<float>(p, token, head, d);
+      case DType::kFloat16: return query_elem<__half>(p, token, head, d);
+      default: return query_elem<__nv_bfloat16>(p, token, head, d);
+    }
+  } else {
+    const T* q = static_cast<const T*>(p.query) + token * p.q_token_stride +
+                 static_cast<int64_t>(head) * p.q_head_stride;
+    return to_float(load(q + d, "query"));
+  }
+}
 
 // Where one row's result goes: its out row and lse (one partition), or its slot (token, head,
 // part) of the split-K workspace, which the reduce merges (several). A final row takes its
@@ -186,6 +236,24 @@ struct OutRow {
     if (lse != nullptr) store(lse, row_lse, partial != nullptr ? "workspace" : "lse");
   }
 };
+
+// Element d (x, normalized) of row (token, head)'s result and, with d == 0, its lse (OutRow).
+template <typename T>
+__device__ __forceinline__ void put_result(const PagedAttentionParams& p, const AttentionPlan& plan,
+                                           int64_t token, int head, int part, float lse, int d,
+                                           float x) {
+  if constexpr (std::is_same_v<T, AnyQuery>) {
+    switch (p.dtype) {
+      case DType::kFloat32: return put_result<float>(p, plan, token, head, part, lse, d, x);
+      case DType::kFloat16: return put_result<__half>(p, plan, token, head, part, lse, d, x);
+      default: return put_result<__nv_bfloat16>(p, plan, token, head, part, lse, d, x);
+    }
+  } else {
+    const OutRow<T> dst(p, plan, token, head, part, lse);
+    dst.put(d, x);
+    if (d == 0) dst.put_lse();
+  }
+}
 
 // Runs `kernel` on the plan's grid with `threads` threads and `smem` bytes of dynamic shared
 // memory, then, with several partitions, the split-K reduce that merges them into out / lse.

@@ -109,8 +109,84 @@ cudaError_t reshape_and_cache_typed(const ReshapeAndCacheParams& p, cudaStream_t
   return cudaGetLastError();
 }
 
+// The absmax of two partial ones, NaN propagating (as torch's amax): a NaN on either side wins.
+__device__ __forceinline__ float nan_max(float a, float b) { return b > a || b != b ? b : a; }
+
+// Element x of a row of scale `scale` (> 0) as a cache element: round half to even of x / scale
+// (an IEEE division, as the CPU kernel and the reference compute it, never a reciprocal's
+// product), clamped to +-qmax; NaN stores 0. fp8: the saturating conversion of x / scale.
+template <typename Cache>
+__device__ __forceinline__ int quantize_int(float x, float scale) {
+  constexpr float qmax = quant_max(kQuantDType<Cache>);
+  const float r = rintf(__fdiv_rn(x, scale));
+  return r != r ? 0 : static_cast<int>(fminf(fmaxf(r, -qmax), qmax));
+}
+
+// Per-(token, head) quantization (ReshapeAndCacheParams' key_scales): one warp per row, each a
+// K or V row of one head of the block's token. The row's absmax (float32, NaN propagating) is
+// reduced across the warp; scale = absmax / quant_max, written beside the row; its elements
+// quantize_int'ed (fp8: converted, saturating), zeros when the scale is 0. The source row is read
+// twice (the second time from L1): rows of any head_size, no registers held across the passes.
+// Bit-exact with the CPU kernel and pagedkv.reference.quantize_rows.
+// grid: (num_tokens), block: up to 16 warps, striding over the 2 * num_kv_heads rows.
+template <typename Src, typename Cache>
+__global__ void reshape_and_cache_scaled_kernel(const ReshapeAndCacheParams p) {
+  constexpr unsigned kFull = 0xffffffffu;
+  const int64_t token = blockIdx.x;
+  const int64_t slot = p.slot_mapping[token];
+  if (slot < 0) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  const int n = p.head_size;
+  for (int r = warp; r < 2 * p.num_kv_heads; r += warps) {  // warp-uniform: full-mask shuffles
+    const bool is_v = r >= p.num_kv_heads;
+    const int head = is_v ? r - p.num_kv_heads : r;
+    const Src* src = static_cast<const Src*>(is_v ? p.value : p.key) +
+                     token * (is_v ? p.value_token_stride : p.key_token_stride) +
+                     head * (is_v ? p.value_head_stride : p.key_head_stride);
+    const PagedKVView& cache = is_v ? p.value_cache : p.key_cache;
+    const PagedKVView& scales = is_v ? p.value_scales : p.key_scales;
+    const PagedKVSlot at = cache.locate(slot);
+    Cache* dst = cache.as<Cache>().row(at) + head * cache.strides.head;
+    float* scale_dst = scales.as<float>().row(at) + head * scales.strides.head;
+
+    float amax = 0.f;
+    for (int i = lane; i < n; i += 32) amax = nan_max(amax, fabsf(to_float(load(src + i, "src"))));
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) amax = nan_max(amax, __shfl_xor_sync(kFull, amax, o));
+    const float scale = __fdiv_rn(amax, quant_max(kQuantDType<Cache>));
+    const bool zero = scale == 0.f;
+    if constexpr (std::is_same_v<Cache, int4x2>) {
+      for (int i = lane; i < n / 2; i += 32) {
+        const int lo = zero ? 0 : quantize_int<Cache>(to_float(load(src + 2 * i, "src")), scale);
+        const int hi =
+            zero ? 0 : quantize_int<Cache>(to_float(load(src + 2 * i + 1, "src")), scale);
+        store(dst + i, int4x2{static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4))}, "kv");
+      }
+    } else {
+      for (int i = lane; i < n; i += 32) {
+        const float x = to_float(load(src + i, "src"));
+        if constexpr (std::is_same_v<Cache, int8_t>) {
+          store(dst + i, static_cast<int8_t>(zero ? 0 : quantize_int<Cache>(x, scale)), "kv");
+        } else {
+          store(dst + i, zero ? Cache{0} : from_float<Cache>(__fdiv_rn(x, scale)), "kv");
+        }
+      }
+    }
+    if (lane == 0) store(scale_dst, scale, "kv_scales");
+  }
+}
+
 template <typename Src>
 cudaError_t reshape_and_cache_src(const ReshapeAndCacheParams& p, cudaStream_t stream) {
+  if (p.key_scales.data != nullptr) {  // int8, int4, fp8 with a scale per (token, head)
+    return with_token_scaled_type(p.cache_dtype, [&]<typename Cache>() {
+      const int warps = std::min(16, 2 * p.num_kv_heads);
+      auto kernel = reshape_and_cache_scaled_kernel<Src, Cache>;
+      PAGEDKV_LAUNCH(kernel, dim3(static_cast<unsigned>(p.num_tokens)), 32 * warps, 0, stream)(p);
+      return cudaGetLastError();
+    });
+  }
   return with_cache_type<Src>(p.cache_dtype, [&]<typename Cache>() {
     return reshape_and_cache_typed<Src, Cache>(p, stream);
   });
@@ -306,6 +382,7 @@ cudaError_t gather_cache(const GatherCacheParams& p, cudaStream_t stream) {
     case DType::kBFloat16: return gather_cache_out<__nv_bfloat16>(p, stream);
     case DType::kFp8E4M3: return gather_cache_typed<fp8_e4m3, fp8_e4m3>(p, stream);
     case DType::kFp8E5M2: return gather_cache_typed<fp8_e5m2, fp8_e5m2>(p, stream);
+    default: break;  // no gather of quantized caches (the MLA cache has none)
   }
   return cudaErrorInvalidValue;
 }

@@ -13,6 +13,21 @@ template <typename T> struct is_fp8 { static constexpr bool value = false; };
 template <> struct is_fp8<fp8_e4m3> { static constexpr bool value = true; };
 template <> struct is_fp8<fp8_e5m2> { static constexpr bool value = true; };
 
+// Integer cache elements, quantized with a scale per (token, head) row (cache_params.h): int8 as
+// itself; int4 as a byte holding two elements, 2i in the low nibble and 2i + 1 in the high one
+// (a cache row of head_size / 2 of them, its strides counted in bytes).
+struct int4x2 { uint8_t bits; };
+
+template <typename T> struct is_int_quant { static constexpr bool value = false; };
+template <> struct is_int_quant<int8_t> { static constexpr bool value = true; };
+template <> struct is_int_quant<int4x2> { static constexpr bool value = true; };
+
+// The DType of a per-(token, head) quantized element type (quant_max's argument).
+template <typename T> inline constexpr DType kQuantDType = DType::kFp8E4M3;
+template <> inline constexpr DType kQuantDType<int8_t> = DType::kInt8;
+template <> inline constexpr DType kQuantDType<int4x2> = DType::kInt4;
+template <> inline constexpr DType kQuantDType<fp8_e5m2> = DType::kFp8E5M2;
+
 // Returns f.template operator()<C>() for C the element type of a cache of cache_dtype beside
 // data of type T: an fp8 tag type, or T itself (the cache holds T's dtype).
 template <typename T, typename F>
@@ -21,6 +36,19 @@ auto with_cache_type(DType cache_dtype, F&& f) {
     case DType::kFp8E4M3: return f.template operator()<fp8_e4m3>();
     case DType::kFp8E5M2: return f.template operator()<fp8_e5m2>();
     default: return f.template operator()<T>();
+  }
+}
+
+// Returns f.template operator()<C>() for C the element type of a cache of cache_dtype quantized
+// per (token, head): int8_t, int4x2 or an fp8 tag type; cudaErrorInvalidValue for the others.
+template <typename F>
+auto with_token_scaled_type(DType cache_dtype, F&& f) {
+  switch (cache_dtype) {
+    case DType::kInt8: return f.template operator()<int8_t>();
+    case DType::kInt4: return f.template operator()<int4x2>();
+    case DType::kFp8E4M3: return f.template operator()<fp8_e4m3>();
+    case DType::kFp8E5M2: return f.template operator()<fp8_e5m2>();
+    default: return cudaErrorInvalidValue;
   }
 }
 

@@ -83,13 +83,6 @@ inline ReshapeAndCacheParams reshape_and_cache_params(
   return p;
 }
 
-// For the backends whose write kernel lacks the per-(token, head) formats (cuda, simt).
-inline void check_cache_write_kernel(const ReshapeAndCacheParams& p, const char* backend) {
-  TORCH_CHECK(!is_int_cache(p.cache_dtype) && p.key_scales.data == nullptr,
-              "reshape_and_cache (", backend, "): no kernel writes int8, int4 or "
-              "per-(token, head) fp8 caches on this backend yet; the cpu backend does");
-}
-
 // The backend's part: Run(params, key_cache) after the checks; key_cache places the work.
 using ReshapeAndCacheRun = void (*)(const ReshapeAndCacheParams&, const at::Tensor& key_cache);
 

@@ -4,7 +4,8 @@ row, written by reshape_and_cache and read by paged_attention.
 Two claims, tested apart: the kernels are exact for the format (the written bits and scales are
 pagedkv.reference.quantize_rows'; attention equals the float64 attention over the dequantized
 cache within the suite's tolerance), and the format's own error is what its step allows.
-Backends without these kernels yet must refuse them clearly (QUANTIZED_BACKENDS).
+Backends without these kernels yet must refuse them clearly (QUANTIZED_WRITE_BACKENDS for
+reshape_and_cache, QUANTIZED_READ_BACKENDS for paged_attention).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from helpers import (
 # int4 is stored as uint8 (head_size / 2 bytes a row).
 FORMATS = [torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2]
 FORMAT_IDS = ["int8", "int4", "fp8e4m3", "fp8e5m2"]
-QUANTIZED_BACKENDS = {"cpu"}  # the others refuse these formats, before writing anything
+# Backends whose kernels write / read these formats; the others refuse them, before writing
+# anything.
+QUANTIZED_WRITE_BACKENDS = {"cpu", "cuda", "simt-forward", "simt-random"}
+QUANTIZED_READ_BACKENDS = {"cpu", "cuda", "simt-forward", "simt-random"}
 
 
 def stored_width(fmt: torch.dtype, head_size: int) -> int:
@@ -53,8 +57,12 @@ def empty_cache(layout, num_blocks, num_kv_heads, block_size, head_size, fmt):
     return kc, vc, ks, vs
 
 
-def refuses(backend) -> bool:
-    return backend.name not in QUANTIZED_BACKENDS
+def refuses_write(backend) -> bool:
+    return backend.name not in QUANTIZED_WRITE_BACKENDS
+
+
+def refuses_read(backend) -> bool:
+    return backend.name not in QUANTIZED_READ_BACKENDS
 
 
 # ---- the write ----------------------------------------------------------------------------
@@ -79,7 +87,7 @@ def test_write_matches_reference(backend, fmt, dtype, layout, block_size, head_s
     got = [t.to(dev) for t in (kc, vc, ks, vs)]
     args = (key.to(dev), value.to(dev), got[0], got[1], slots.to(dev), None, None, got[2],
             got[3])
-    if refuses(backend):
+    if refuses_write(backend):
         with pytest.raises(RuntimeError, match="no kernel writes int8, int4 or per-"):
             backend.ops.reshape_and_cache(*args)
         for g, t in zip(got, (kc, vc, ks, vs), strict=True):
@@ -175,7 +183,7 @@ def quantized_args(case: Case, fmt: torch.dtype, device, outliers: bool = False)
 
 def run(backend, case: Case, fmt: torch.dtype) -> dict:
     args, _ = quantized_args(case, fmt, backend.device)
-    if refuses(backend):
+    if refuses_read(backend):
         with pytest.raises(RuntimeError, match="no kernel reads int8, int4 or per-"):
             call(backend.ops.paged_attention, args)
         assert args["out"].isnan().all()
