@@ -201,9 +201,12 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         row = (f"{r['num_seqs']} x {r['seq_len']}" if r["kind"] == "decode"
                else f"{r['num_seqs']} x {r['new']}+{r['seq_len'] - r['new']}")
-        print(f"{r['kind']:>7} {row:>16} {r['format']:>10} {r['ms']:8.2f} "
-              f"{r['bytes'] / 1e6:8.1f} {r['gbps']:6.1f} {r['read_gbps']:5.1f} "
-              f"{r['bw_fraction']:6.0%} {r['speedup_bf16']:7.2f}")
+        # prefill is bound by its arithmetic, not its bytes: no rates for it
+        rates = (f"{r['bytes'] / 1e6:8.1f} {r['gbps']:6.1f} {r['read_gbps']:5.1f} "
+                 f"{r['bw_fraction']:6.0%}" if r["kind"] == "decode"
+                 else f"{r['bytes'] / 1e6:8.1f} {'-':>6} {'-':>5} {'-':>6}")
+        print(f"{r['kind']:>7} {row:>16} {r['format']:>10} {r['ms']:8.2f} {rates} "
+              f"{r['speedup_bf16']:7.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -46,8 +46,10 @@ from pagedkv.tools.costmodel import DEVICES, get_device
 
 SIZES = [(8, 2048), (32, 4096), (1, 32768)]  # (sequences, tokens each)
 GROUPS = (1, 4, 8)  # query heads per kv head, 32 query heads
-CACHES = ("bf16", "fp8_e4m3")
-ELEMENT = {"bf16": 2, "f16": 2, "f32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
+CACHES = ("bf16", "fp8_e4m3", "int8", "int4")
+ELEMENT = {"bf16": 2, "f16": 2, "f32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int4": 0.5,
+           "fp8_e4m3/row": 1}
+ROW_SCALED = ("int8", "int4", "fp8_e4m3/row")  # a float32 scale per row, any query dtype
 TORCH_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32",
                "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 
@@ -64,8 +66,9 @@ class Decode:
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.num_seqs * self.seq_len * self.num_kv_heads * self.head_size * (
-            ELEMENT[self.cache])
+        """K and V bytes read: every row, and its scale for the row-scaled caches."""
+        row = self.head_size * ELEMENT[self.cache] + (4 if self.cache in ROW_SCALED else 0)
+        return int(2 * self.num_seqs * self.seq_len * self.num_kv_heads * row)
 
     @property
     def padded_head(self) -> int:
@@ -113,7 +116,8 @@ def kernel_rows(kernels, usage) -> list[dict]:
 
 
 def decode_estimate(kernels, shape: Decode, device) -> dict | None:
-    key = (device.sass_arch, shape.dtype, shape.cache, shape.padded_head)
+    query = "any" if shape.cache in ROW_SCALED else shape.dtype
+    key = (device.sass_arch, query, shape.cache, shape.padded_head)
     kernel = attention_kernels(kernels).get(key)
     if kernel is None or shape.num_heads % shape.num_kv_heads:
         return None

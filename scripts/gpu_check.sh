@@ -5,7 +5,8 @@
 # (bench.bench_attention_tc: chunked prefill TFLOPS and fraction of the dense bf16 peak, GQA-8
 # decode GB/s and fraction of the copy bandwidth), the cost of sinks and of head 512
 # (bench.bench_features), the MLA kernel's decode, MTP and prefill rows (bench.bench_attention_mla:
-# TFLOPS and latent GB/s), the SASS model's estimate of each measured
+# TFLOPS and latent GB/s), the quantized caches' decode beside bf16's (bench.bench_attention_quant),
+# the SASS model's estimate of each measured
 # decode row (bench_gpu_model --join: the model's calibration) and, where ncu is installed and may
 # read the counters, the instructions and DRAM bytes of one decode launch (docs/gpu_model.md).
 # Every step is logged under LOGDIR and bounded by a timeout.
@@ -17,8 +18,9 @@
 # the warm machine (the in-place build is kept), `bench model sanitize ncu`; the steps after
 # `build` use the modules built in place by an earlier call.
 # sanitize: compute-sanitizer memcheck over the cache-op tests and a short attention selection
-# (decode, GQA, split-K, varlen, fp8) plus the MLA kernel's (decode, MTP, prefill, split-K), and
-# racecheck (shared memory) over both selections.
+# (decode, GQA, split-K, varlen, fp8) plus the MLA kernel's (decode, MTP, prefill, split-K) and
+# the quantized caches' write and read (int8, int4, fp8 per row), and racecheck (shared memory)
+# over the attention and MLA selections.
 #
 # Environment: PYTHON (default: python3; a Python with torch), ARCH (default 9.0),
 # MAX_JOBS (default 16), BUILD_TIMEOUT / TEST_TIMEOUT / BENCH_TIMEOUT in seconds (defaults 420,
@@ -60,6 +62,8 @@ CUDA_TESTS=(env PAGEDKV_TEST_BACKENDS=cuda "$PYTHON" -m pytest -q -p no:cachepro
 ATTENTION_SELECTION=(tests/ops/test_paged_attention.py -k
   "block_sizes_and_gqa or long_context or varlen_long or fp8_caches or strided_cache")
 MLA_SELECTION=(tests/ops/test_mla_attention.py -k "block_sizes or split_k or fp8")
+# The per-(token, head) quantized caches (int8, int4, fp8): their write and their CUDA-core read.
+QUANT_SELECTION=(tests/ops/test_quantized_kv.py -k "write or decode or split_keys")
 
 if wants env; then
   step env 60 bash -c "nvidia-smi; nvcc --version; $PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'" || true
@@ -83,6 +87,9 @@ if wants bench; then
   cp bench/results/features.json "$LOGDIR/" 2>/dev/null || true
   step bench_mla "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_attention_mla --device cuda || true
   cp bench/results/attention_mla.json "$LOGDIR/" 2>/dev/null || true
+  step bench_quant "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_attention_quant --device cuda \
+    || true
+  cp bench/results/attention_quant.json "$LOGDIR/" 2>/dev/null || true
 fi
 if wants model && [ -f bench/results/attention_cuda.json ]; then
   step model "${MODEL_TIMEOUT:-300}" "$PYTHON" -m bench.bench_gpu_model --devices a100-80gb,h100,h200 \
@@ -102,6 +109,8 @@ if wants sanitize && command -v compute-sanitizer >/dev/null; then
     "${CUDA_TESTS[@]}" -x "${MLA_SELECTION[@]}" || true
   step racecheck_mla "${SANITIZE_TIMEOUT:-240}" "${SANITIZER[@]}" --tool racecheck \
     --racecheck-report hazard "${CUDA_TESTS[@]}" -x "${MLA_SELECTION[@]}" || true
+  step memcheck_quant "${SANITIZE_TIMEOUT:-240}" "${SANITIZER[@]}" --tool memcheck \
+    "${CUDA_TESTS[@]}" -x "${QUANT_SELECTION[@]}" || true
 fi
 if wants ncu && command -v ncu >/dev/null; then
   step ncu "${MODEL_TIMEOUT:-300}" ncu --kernel-name regex:paged_attention_kernel --launch-skip 2 \

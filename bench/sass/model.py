@@ -42,15 +42,29 @@ MAX_WARPS_PER_SM = 64
 
 _TYPES = {"__nv_bfloat16": "bf16", "__half": "f16", "float": "f32",
           "pagedkv::fp8_e4m3": "fp8_e4m3", "pagedkv::fp8_e5m2": "fp8_e5m2",
+          "signed char": "int8", "pagedkv::int4x2": "int4",
           "unsigned char": "u8", "unsigned short": "u16", "unsigned int": "u32"}
-_ATTENTION = re.compile(r"paged_attention_kernel<([^,]+), ([^,]+), (\d+)>")
+# The CUDA-core kernel: <query, cache, head> or, for caches quantized per (token, head),
+# <AnyQuery, cache, head, true> (one instantiation for every query dtype: "any").
+_ATTENTION = re.compile(r"paged_attention_kernel<([^,]+), ([^,]+), (\d+)(?:, (true|false))?>")
+
+
+def _attention_types(m: re.Match) -> tuple[str, str, int]:
+    """(query dtype, cache, padded head) of a CUDA-core kernel's template arguments; a cache
+    with row scales is "int8", "int4" or "fp8_e4m3/row" ("any" query dtype)."""
+    query = "any" if m[1].endswith("AnyQuery") else _TYPES.get(m[1], m[1])
+    cache = _TYPES.get(m[2], m[2])
+    if m[4] == "true" and cache.startswith("fp8"):
+        cache += "/row"
+    return query, cache, int(m[3])
 
 
 def kernel_label(kernel: Kernel) -> str:
     """A short name: ``attention bf16/bf16 h128``, ``reduce bf16``, ``copy_blocks uint4``..."""
     name = kernel.demangled or kernel.name
     if m := _ATTENTION.search(name):
-        return f"attention {_TYPES.get(m[1], m[1])}/{_TYPES.get(m[2], m[2])} h{m[3]}"
+        query, cache, head = _attention_types(m)
+        return f"attention {query}/{cache} h{head}"
     if m := re.search(r"(\w+)_kernel<([^>]*)>", name):
         args = "/".join(_TYPES.get(a.strip(), a.strip()) for a in m[2].split(","))
         base = m[1].removeprefix("paged_attention_")
@@ -63,7 +77,7 @@ def attention_kernels(kernels: list[Kernel]) -> dict[tuple[str, str, str, int], 
     found = {}
     for k in kernels:
         if m := _ATTENTION.search(k.demangled or ""):
-            found[(k.arch, _TYPES.get(m[1], m[1]), _TYPES.get(m[2], m[2]), int(m[3]))] = k
+            found[(k.arch, *_attention_types(m))] = k
     return found
 
 

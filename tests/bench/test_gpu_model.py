@@ -33,6 +33,12 @@ BUDGETS = {
     ("sm_80", "bf16", "bf16", 128, 8): 416,
     ("sm_80", "bf16", "fp8_e4m3", 128, 1): 1310, ("sm_80", "bf16", "fp8_e4m3", 128, 4): 1504,
     ("sm_80", "bf16", "fp8_e4m3", 128, 8): 3008,
+    # Caches with a scale per (token, head): one kernel for every query dtype ("any"). Today:
+    # sm_90 int8 252 / 440 / 880, int4 349 / 572 / 1145.
+    ("sm_90", "any", "int8", 128, 1): 260, ("sm_90", "any", "int8", 128, 4): 453,
+    ("sm_90", "any", "int8", 128, 8): 906,
+    ("sm_90", "any", "int4", 128, 1): 359, ("sm_90", "any", "int4", 128, 4): 589,
+    ("sm_90", "any", "int4", 128, 8): 1179,
 }
 
 
@@ -218,7 +224,10 @@ def built_kernels(unit: str) -> list:
 
 @pytest.fixture(scope="module")
 def decode_kernels():
-    return attention_kernels(built_kernels("attention_bf16"))
+    """The CUDA-core decode kernels of bf16 queries, and those of the row-scaled caches (their
+    own unit)."""
+    return attention_kernels(built_kernels("attention_bf16") +
+                             built_kernels("attention_row_scaled"))
 
 
 @pytest.mark.parametrize("key", sorted(BUDGETS), ids=lambda k: "-".join(map(str, k)))
@@ -228,6 +237,6 @@ def test_decode_kernels_stay_within_their_instruction_budget(decode_kernels, key
     if kernel is None:
         pytest.skip(f"the module has no {arch} {dtype}/{cache} h{head} kernel")
     p = profile_loop(kernel)
-    assert p.load_width == (16 if cache == "bf16" else 8)
+    assert p.load_width == {"bf16": 16, "int4": 4}.get(cache, 8)
     assert sum(b.kind == "rows" for b in p.branches) >= 3  # the row guards were recognized
     within_budget(kernel, group, BUDGETS[key])

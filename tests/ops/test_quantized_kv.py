@@ -118,7 +118,7 @@ def test_write_of_short_rows_zero_rows_and_ties(backend, fmt, head_size):
                                 value_cache_scales=want[3])
     assert want[2][1, 0, 1] == 0  # slot 5, head 0: the zero row
     got = [t.to(backend.device) for t in (kc, vc, ks, vs)]
-    if refuses(backend):
+    if refuses_write(backend):
         pytest.skip("this backend refuses the formats (test_write_matches_reference)")
     backend.ops.reshape_and_cache(key.to(backend.device), value.to(backend.device), got[0],
                                   got[1], slots.to(backend.device), None, None, got[2], got[3])
@@ -228,6 +228,19 @@ def test_block_sizes_heads_and_head_sizes(backend, fmt, block_size, heads, head_
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_strided_layouts(backend, fmt, layout):
     run(backend, Case(layout=layout, dtype=torch.bfloat16).with_(**VARLEN), fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_forced_tensor_core_kernel_falls_back(backend, fmt, monkeypatch):
+    """PAGEDKV_ATTENTION_KERNEL=tensor_core on the CUDA-source backends: the tensor-core kernel
+    reads none of these formats, so the CUDA-core one runs them (as float32 queries), decode and
+    varlen rows of 16-bit queries that auto would give the tensor cores."""
+    if backend.name == "cpu":
+        pytest.skip("the CPU kernels have no kernel switch")
+    monkeypatch.setenv("PAGEDKV_ATTENTION_KERNEL", "tensor_core")
+    run(backend, Case(dtype=torch.bfloat16, num_heads=16, num_kv_heads=2), fmt)
+    run(backend, Case(dtype=torch.float16, num_heads=16, num_kv_heads=2, seq_lens=(70, 33),
+                      q_lens=(20, 33)), fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)

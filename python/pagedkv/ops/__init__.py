@@ -151,7 +151,8 @@ def paged_attention(
         (``float8_e4m3fn`` / ``float8_e5m2``) dequantized as ``x * k_scale`` / ``x * v_scale``,
         or a per-(token, head) format (int8; int4 as ``uint8`` ``[..., head_size / 2]``; fp8)
         dequantized as ``x * scale`` of the row's entry in ``key_cache_scales`` /
-        ``value_cache_scales`` (see :func:`reshape_and_cache`; the cpu backend only, for now).
+        ``value_cache_scales`` (see :func:`reshape_and_cache`; on CUDA the CUDA-core kernel
+        reads them, not the tensor-core one).
         num_heads must be a multiple of num_kv_heads (GQA, MQA); block_size 1 to 256.
     block_tables : Tensor
         int32 ``[num_seqs, max_blocks_per_seq]``. Only the entries of blocks holding a key that
