@@ -161,6 +161,30 @@ inline PagedKVView scales_of(const c10::optional<at::Tensor>& scales, const at::
   return {s.data_ptr(), {s.stride(0), s.stride(1), s.stride(2)}, block_size};
 }
 
+// A K/V cache pair's scales, checked: per-tensor (fp8: k_scale, v_scale) or per (token, head)
+// (key_cache_scales, value_cache_scales), whichever the cache's dtype and arguments say.
+struct CacheScales {
+  const float* k_scale;
+  const float* v_scale;
+  PagedKVView key_scales, value_scales;
+};
+inline CacheScales cache_scales_of(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   DType cache_dtype, const c10::optional<at::Tensor>& k_scale,
+                                   const c10::optional<at::Tensor>& v_scale,
+                                   const c10::optional<at::Tensor>& key_cache_scales,
+                                   const c10::optional<at::Tensor>& value_cache_scales,
+                                   const char* op) {
+  const bool token_scales = token_scaled(cache_dtype, key_cache_scales);
+  CacheScales s;
+  s.k_scale = scale_ptr(k_scale, key_cache, op, "k_scale", token_scales);
+  s.v_scale = scale_ptr(v_scale, key_cache, op, "v_scale", token_scales);
+  s.key_scales =
+      scales_of(key_cache_scales, key_cache, token_scales, op, "key_cache_scales", "key_cache");
+  s.value_scales = scales_of(value_cache_scales, value_cache, token_scales, op,
+                             "value_cache_scales", "value_cache");
+  return s;
+}
+
 // Query, out, partial outputs: [num_tokens, num_heads, head_size] in float32/16, bfloat16.
 inline DType check_rows(const at::Tensor& t, const char* op, const char* name) {
   check_dim(t, 3, op, name, "[num_tokens, num_heads, head_size]");

@@ -151,13 +151,8 @@ inline PagedAttentionParams paged_attention_params(
                   key_cache.scalar_type() == query.scalar_type(),
               op, ": key_cache must have query's dtype ", query.scalar_type(),
               " or be fp8, int8 or uint8 (int4), got ", key_cache.scalar_type());
-  const bool token_scales = token_scaled(cache_dtype, key_cache_scales);
-  const float* k_scale_ptr = scale_ptr(k_scale, key_cache, op, "k_scale", token_scales);
-  const float* v_scale_ptr = scale_ptr(v_scale, key_cache, op, "v_scale", token_scales);
-  const PagedKVView key_scales =
-      scales_of(key_cache_scales, key_cache, token_scales, op, "key_cache_scales", "key_cache");
-  const PagedKVView value_scales = scales_of(value_cache_scales, value_cache, token_scales, op,
-                                             "value_cache_scales", "value_cache");
+  const CacheScales scales = cache_scales_of(key_cache, value_cache, cache_dtype, k_scale, v_scale,
+                                             key_cache_scales, value_cache_scales, op);
 
   TORCH_CHECK(sliding_window == -1 || sliding_window > 0, op,
               ": sliding_window must be -1 (off) or > 0, got ", sliding_window);
@@ -187,10 +182,10 @@ inline PagedAttentionParams paged_attention_params(
   p.key_cache = paged_kv_of(key_cache);
   p.value_cache = paged_kv_of(value_cache);
   p.alibi_slopes = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
-  p.k_scale = k_scale_ptr;
-  p.v_scale = v_scale_ptr;
-  p.key_scales = key_scales;
-  p.value_scales = value_scales;
+  p.k_scale = scales.k_scale;
+  p.v_scale = scales.v_scale;
+  p.key_scales = scales.key_scales;
+  p.value_scales = scales.value_scales;
   p.lse_out = lse_out ? lse_out->data_ptr<float>() : nullptr;
   p.lse_token_stride = lse_out ? lse_out->stride(0) : 0;
   p.lse_head_stride = lse_out ? lse_out->stride(1) : 0;

@@ -52,13 +52,8 @@ inline ReshapeAndCacheParams reshape_and_cache_params(
   }
   check_device(key, key_cache, op, "key", "key_cache");
   check_device(value, key_cache, op, "value", "key_cache");
-  const bool token_scales = token_scaled(cache_dtype, key_cache_scales);
-  const float* k_scale_ptr = scale_ptr(k_scale, key_cache, op, "k_scale", token_scales);
-  const float* v_scale_ptr = scale_ptr(v_scale, key_cache, op, "v_scale", token_scales);
-  const PagedKVView key_scales =
-      scales_of(key_cache_scales, key_cache, token_scales, op, "key_cache_scales", "key_cache");
-  const PagedKVView value_scales = scales_of(value_cache_scales, value_cache, token_scales, op,
-                                             "value_cache_scales", "value_cache");
+  const CacheScales scales = cache_scales_of(key_cache, value_cache, cache_dtype, k_scale, v_scale,
+                                             key_cache_scales, value_cache_scales, op);
   check_slot_mapping(slot_mapping, num_tokens, key_cache, key_cache.size(0), key_cache.size(2),
                      op);
   ReshapeAndCacheParams p{};
@@ -71,10 +66,10 @@ inline ReshapeAndCacheParams reshape_and_cache_params(
   p.key_cache = paged_kv_of(key_cache);
   p.value_cache = paged_kv_of(value_cache);
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
-  p.k_scale = k_scale_ptr;
-  p.v_scale = v_scale_ptr;
-  p.key_scales = key_scales;
-  p.value_scales = value_scales;
+  p.k_scale = scales.k_scale;
+  p.v_scale = scales.v_scale;
+  p.key_scales = scales.key_scales;
+  p.value_scales = scales.value_scales;
   p.num_tokens = num_tokens;
   p.num_kv_heads = static_cast<int32_t>(key_cache.size(1));
   p.head_size = static_cast<int32_t>(head_size);
