@@ -74,7 +74,8 @@ def unique_slots(num_tokens: int, num_slots: int, padding: int, device) -> torch
 # each needs (csrc/cpu/attention_isa.inc), read independently of the extension's own test.
 CPU_ISAS = {"base": set(), "avx2": {"avx2", "fma", "f16c"},
             "avx512": {"avx512f", "avx2", "fma", "f16c"},
-            "avx512bf16": {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "f16c"}}
+            "avx512bf16": {"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx2", "fma",
+                           "f16c"}}
 
 
 def cpu_flags() -> set[str]:

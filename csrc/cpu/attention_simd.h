@@ -243,9 +243,43 @@ inline vf load_float(const int8_t* p) {
 #endif
 }
 
-// The 2n signed 4-bit elements of n bytes of an int4 row as int8, in element order.
+// The 2n signed 4-bit elements of n bytes of an int4 row as int8, in element order: each half
+// of a byte through a 16-entry table (vpshufb: nibble -> its signed value), the two halves
+// interleaved, 64 bytes at a time with AVX-512BW, 32 with AVX2; SSE2's 16 by masks and shifts.
 inline void unpack_int4(const i4x2_t* src, int n, int8_t* dst) {
   int i = 0;
+#if PKV_ISA >= 1
+  const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+#if PKV_ISA == 3
+  {
+    const __m512i lut = _mm512_broadcast_i32x4(table), low4 = _mm512_set1_epi8(0x0F);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (; i + 64 <= n; i += 64) {
+      const __m512i x = load_raw<__m512i>(src + i);
+      const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(x, low4));
+      const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(x, 4), low4));
+      // per 128-bit lane: elements 0-31 of its 16 bytes in a, b; put back in lane order
+      const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
+      _mm512_storeu_si512(dst + 2 * i, _mm512_permutex2var_epi64(a, first, b));
+      _mm512_storeu_si512(dst + 2 * i + 64, _mm512_permutex2var_epi64(a, second, b));
+    }
+  }
+#endif
+  {
+    const __m256i lut = _mm256_broadcastsi128_si256(table), low4 = _mm256_set1_epi8(0x0F);
+    for (; i + 32 <= n; i += 32) {
+      const __m256i x = load_raw<__m256i>(src + i);
+      const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(x, low4));
+      const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(x, 4), low4));
+      const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i),
+                          _mm256_permute2x128_si256(a, b, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i + 32),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+    }
+  }
+#endif
 #if defined(__SSE2__)
   const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
   for (; i + 16 <= n; i += 16) {
@@ -263,6 +297,95 @@ inline void unpack_int4(const i4x2_t* src, int n, int8_t* dst) {
     dst[2 * i] = static_cast<int8_t>(static_cast<int8_t>(x << 4) >> 4);
     dst[2 * i + 1] = static_cast<int8_t>(x >> 4);
   }
+}
+
+// int16 pairs, for the integer dot products of int8 and int4 rows (kIntDots): each 32-bit lane
+// holds two int16 numbers, the first in its low half. dot_i16(acc, a, b) adds to each lane
+// a.lo * b.lo + a.hi * b.hi, exactly (no saturation): one vpdpwssd with AVX512_VNNI, vpmaddwd +
+// vpaddd with AVX2, shifts and multiplies elsewhere.
+[[gnu::always_inline]] inline vi dot_i16(vi acc, vi a, vi b) {
+#if PKV_ISA == 3
+  return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
+#elif PKV_ISA == 1
+  return acc + (vi)_mm256_madd_epi16((__m256i)a, (__m256i)b);
+#else
+  return acc + ((a << 16) >> 16) * ((b << 16) >> 16) + (a >> 16) * (b >> 16);
+#endif
+}
+// 2W int8 elements widened to W int16 pairs (lane i: elements 2i and 2i + 1); load_i16_half
+// widens W elements into the low W / 2 lanes, the others 0.
+typedef int8_t vsb2 __attribute__((vector_size(2 * W)));
+typedef int16_t vs16 __attribute__((vector_size(4 * W)));
+[[gnu::always_inline]] inline vi load_i16_pairs(const int8_t* p) {
+#if PKV_ISA == 3
+  return (vi)_mm512_cvtepi8_epi16(load_raw<__m256i>(p));
+#elif PKV_ISA == 1
+  return (vi)_mm256_cvtepi8_epi16(load_raw<__m128i>(p));
+#else
+  return (vi)__builtin_convertvector(load_raw<vsb2>(p), vs16);
+#endif
+}
+[[gnu::always_inline]] inline vi load_i16_half(const int8_t* p) {
+#if PKV_ISA == 3
+  return (vi)_mm512_zextsi256_si512(_mm256_cvtepi8_epi16(load_raw<__m128i>(p)));
+#elif PKV_ISA == 1
+  return (vi)_mm256_zextsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vsb2 x = {};
+  std::memcpy(&x, p, W);
+  return (vi)__builtin_convertvector(x, vs16);
+#endif
+}
+
+// Columns [c, c + 2W) of two int8 rows a and b as int16 pairs (a[j], b[j]), one column a lane,
+// in two vectors: with AVX-512 (in-lane byte interleaves) lo holds columns 0-7 and 16-23 of the
+// 32, hi 8-15 and 24-31 (kIntPairOrder); elsewhere lo holds the first W columns, hi the next W.
+// load_v_pairs_half: W columns, in order.
+constexpr bool kIntPairOrder = PKV_ISA == 3;
+[[gnu::always_inline]] inline void load_v_pairs(const int8_t* a, const int8_t* b, vi& lo,
+                                                vi& hi) {
+#if PKV_ISA == 3
+  const __m256i x = load_raw<__m256i>(a), y = load_raw<__m256i>(b);
+  lo = (vi)_mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(x, y));
+  hi = (vi)_mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(x, y));
+#elif PKV_ISA == 1
+  const __m128i x = load_raw<__m128i>(a), y = load_raw<__m128i>(b);
+  lo = (vi)_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y));
+  hi = (vi)_mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x, y));
+#else
+  vs16 l, h;
+  for (int j = 0; j < W; ++j) {
+    l[2 * j] = a[j];
+    l[2 * j + 1] = b[j];
+    h[2 * j] = a[W + j];
+    h[2 * j + 1] = b[W + j];
+  }
+  lo = (vi)l;
+  hi = (vi)h;
+#endif
+}
+[[gnu::always_inline]] inline vi load_v_pairs_half(const int8_t* a, const int8_t* b) {
+#if PKV_ISA == 3
+  const __m128i x = load_raw<__m128i>(a), y = load_raw<__m128i>(b);
+  return (vi)_mm512_cvtepi8_epi16(
+      _mm256_setr_m128i(_mm_unpacklo_epi8(x, y), _mm_unpackhi_epi8(x, y)));
+#elif PKV_ISA == 1
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a));
+  const __m128i y = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+  return (vi)_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y));
+#else
+  vs16 l;
+  for (int j = 0; j < W; ++j) {
+    l[2 * j] = a[j];
+    l[2 * j + 1] = b[j];
+  }
+  return (vi)l;
+#endif
+}
+// Rounds W floats (|x| < 2^22) to the nearest integer, ties to even, as int32.
+[[gnu::always_inline]] inline vi round_int(vf x) {
+  const vf magic = splat(12582912.f);  // 1.5 * 2^23
+  return (vi)(x + magic) - (vi)magic;
 }
 
 template <typename T>

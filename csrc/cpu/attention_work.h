@@ -52,7 +52,10 @@ constexpr int kPrefillKeys = 32;  // keys per tile of the prefill path (half pas
 inline int64_t scratch_floats(int64_t max_rows, int64_t head_size) {
   const int64_t rows = (max_rows + kPrefillRowAlign - 1) / kPrefillRowAlign * kPrefillRowAlign;
   const int64_t keys = std::max(kKeysPerChunk, kPrefillKeys);
-  return rows * (2 * head_size + 2 * keys + 6) + 2 * keys * head_size + 64;
+  // the decode path's int16 queries and probabilities (kIntDots): rows x (head_size + keys)
+  // int16 and two scales a row
+  const int64_t int_queries = rows * ((head_size + keys) / 2 + 2) + 128;
+  return rows * (2 * head_size + 2 * keys + 6) + 2 * keys * head_size + 64 + int_queries;
 }
 
 // The instruction sets the kernels are compiled for, narrowest first. Each is one translation

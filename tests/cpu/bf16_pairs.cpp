@@ -13,7 +13,10 @@
 // latent of 576 per token: K the whole row, V its first 512 elements, read from the same
 // cache); outputs poisoned with NaN before the run. Cases with int8 and int4 caches (rows of
 // bf16 numbers quantized with a scale per (token, head), as reshape_and_cache writes them) run
-// the float path against the reference over their dequantized values, decode and prefill items.
+// the float path against the reference over their dequantized values, decode and prefill items,
+// and the integer path (PKV_INT_DOTS=1: decode's S and P V on int16 queries and probabilities,
+// vpdpwssd in avx512bf16, vpmaddwd in avx2, portable vectors elsewhere), under the same bounds:
+// its roundings of q and p (a relative 2^-16 of a row's largest element) are far inside them.
 //
 // Bound per output element (row r, column d), with p_t the reference probabilities and
 // B = sum_t p_t |v_t[d]|: the float path is within 2^-8 |ref| (rounding the output to bfloat16)
@@ -58,7 +61,8 @@ const Set kSets[] = {
     {"avx512bf16",
      [] {
        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-              __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx2") &&
+              __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") &&
+              __builtin_cpu_supports("avx2") &&
               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
      },
      &cpu::pairs_set_avx512bf16},
@@ -102,6 +106,7 @@ struct Batch {
   std::vector<int32_t> table;
   std::vector<float> slopes;
   std::vector<double> ref, bound, ref_lse;  // [token][head][d], [token][head]
+  std::vector<double> int_bound;  // int8 / int4: what the integer path's roundings may add
 
   Batch(const Case& cs, std::mt19937& rng) : c(cs) {
     const int S = static_cast<int>(c.seq_lens.size()), D = c.head_size;
@@ -182,11 +187,46 @@ struct Batch {
     return v * scale;
   }
 
+  // The integer path (kIntDots) rounds the query row to int16 in steps of |q|_inf / 32767,
+  // which moves every logit by at most delta = half a step times max |k|_1, and so an output by
+  // at most delta sum_t p_t |v_t - out| <= 2 delta B; and it rounds p_t v_scale_t to int16 in
+  // steps of its chunk's largest / 32767, which moves an output by at most half a step times
+  // sum_t |v_t| / v_scale_t (the stored integers) per chunk: bounded with the row's largest
+  // p_t v_scale_t for every chunk.
+  void int_bounds(int s, int token, int h, int lo, int qp, const std::vector<double>& p, double l) {
+    const int D = c.head_size, Dv = c.dv(), H = c.heads, kv = h / (c.heads / c.kv_heads);
+    double q_max = 0, k_l1 = 0, pv_max = 0;
+    for (int d = 0; d < D; ++d)
+      q_max = std::max(q_max, std::fabs(double(from_bf16(query[(size_t(token) * H + h) * D + d]))));
+    const auto v_scale = [&](int kp) {
+      const int64_t block = table[s * max_blocks + kp / c.block_size];
+      return double(value_scales[(block * c.kv_heads + kv) * c.block_size + kp % c.block_size]);
+    };
+    for (int kp = lo; kp <= qp; ++kp) {
+      double row = 0;
+      for (int d = 0; d < D; ++d) row += std::fabs(k(s, kv, kp, d));
+      k_l1 = std::max(k_l1, row);
+      pv_max = std::max(pv_max, p[kp - lo] / l * v_scale(kp));
+    }
+    const double delta = q_max / std::sqrt(double(D)) / 32767 / 2 * k_l1;
+    const double* b = &bound[(size_t(token) * H + h) * Dv];
+    double* e = &int_bound[(size_t(token) * H + h) * Dv];
+    for (int d = 0; d < Dv; ++d) {
+      double stored = 0;  // sum_t |v_t[d]| / v_scale_t
+      for (int kp = lo; kp <= qp; ++kp) {
+        const double vs = v_scale(kp);
+        if (vs > 0) stored += std::fabs(v(s, kv, kp, d)) / vs;
+      }
+      e[d] = 2 * delta * b[d] * (1 + delta) + pv_max / 65534 * stored;
+    }
+  }
+
   void reference() {
     const int D = c.head_size, Dv = c.dv(), H = c.heads, group = c.heads / c.kv_heads;
     const double scale = 1.0 / std::sqrt(double(D));
     ref.assign(size_t(num_tokens) * H * Dv, 0.0);
     bound.assign(ref.size(), 0.0);
+    int_bound.assign(ref.size(), 0.0);
     ref_lse.assign(size_t(num_tokens) * H, 0.0);
     for (size_t s = 0; s < c.seq_lens.size(); ++s) {
       const int L = c.seq_lens[s], Q = c.q_lens[s];
@@ -219,6 +259,7 @@ struct Batch {
               b[d] += pr * std::fabs(vv);
             }
           }
+          if (c.format != DType::kBFloat16) int_bounds(s, token, h, lo, qp, logit, l);
           ref_lse[size_t(token) * H + h] = mx + std::log(l);
         }
       }
@@ -229,7 +270,8 @@ struct Batch {
 // Runs attend over the batch's items (per sequence, kv head and tile of 96 / group query
 // tokens, as the planner makes them) and checks every output against the reference. Returns
 // the number of elements out of bounds.
-int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label) {
+int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label,
+          bool int_dots = false) {
   const Case& c = b.c;
   const int D = c.head_size, Dv = c.dv(), H = c.heads, group = H / c.kv_heads;
   std::vector<uint16_t> out(size_t(b.num_tokens) * H * Dv, 0x7fc0);  // NaN
@@ -307,7 +349,8 @@ int check(const Batch& b, cpu::Attend attend, bool pairs, const char* label) {
   for (size_t i = 0; i < out.size(); ++i) {
     const double got = from_bf16(out[i]), want = b.ref[i];
     const double tol =
-        std::ldexp(std::fabs(want), -8) + (pairs ? std::ldexp(1.0, -8) : 1e-4) * b.bound[i];
+        std::ldexp(std::fabs(want), -8) + (pairs ? std::ldexp(1.0, -8) : 1e-4) * b.bound[i] +
+        (int_dots ? b.int_bound[i] : 0.0);
     const double err = std::fabs(got - want);
     if (!(err <= tol)) {  // NaN included: an element the kernel never wrote
       if (bad++ < 5)
@@ -371,8 +414,11 @@ int main(int argc, char** argv) {
     }
     const Batch batch(c, rng);
     if (c.format != DType::kBFloat16) {  // the float path reads them (no pairs of int rows)
-      const cpu::Attend run = c.format == DType::kInt8 ? kernels.int8_path : kernels.int4_path;
-      bad += check(batch, run, false, c.name);
+      const bool int8 = c.format == DType::kInt8;
+      bad += check(batch, int8 ? kernels.int8_path : kernels.int4_path, false,
+                   (std::string(c.name) + ", float").c_str());
+      bad += check(batch, int8 ? kernels.int8_int_path : kernels.int4_int_path, false,
+                   (std::string(c.name) + ", int").c_str(), true);
       continue;
     }
     bad += check(batch, kernels.float_path, false, (std::string(c.name) + ", float").c_str());

@@ -1,5 +1,6 @@
 // One instruction set's CPU attention kernels for tests/cpu/bf16_pairs.cpp, twice: the float path
-// (namespace <set>_float) and the pair path (<set>_pairs, PKV_DOT_PAIRS=1). Compiled once per set
+// (namespace <set>_float, PKV_DOT_PAIRS=0 and PKV_INT_DOTS=0) and the pair and integer paths
+// (<set>_pairs, PKV_DOT_PAIRS=1 and PKV_INT_DOTS=1). Compiled once per set
 // with PKV_PAIRS_SET defined to its name (CMakeLists.txt), so that the sets build in parallel; the
 // unit exports pagedkv::cpu::pairs_set_<set>(), the set's two entry points.
 #ifndef PKV_PAIRS_SET
@@ -36,19 +37,23 @@
 #elif PKV_ISA == 2
 #pragma GCC target("avx512f,avx2,fma,f16c")
 #elif PKV_ISA == 3
-#pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512bf16,avx512vnni,avx2,fma,f16c")
 #endif
 
 #define PKV_DOT_PAIRS 0
+#define PKV_INT_DOTS 0
 namespace pagedkv::cpu::PKV_CAT(PKV_PAIRS_SET, _float) {
 #include "cpu/attention_kernels.inc"
 }
 #undef PKV_DOT_PAIRS
+#undef PKV_INT_DOTS
 #define PKV_DOT_PAIRS 1  // vdpbf16ps itself in avx512bf16, two FMAs a pair elsewhere
+#define PKV_INT_DOTS 1   // vpdpwssd itself in avx512bf16, vpmaddwd in avx2, portable elsewhere
 namespace pagedkv::cpu::PKV_CAT(PKV_PAIRS_SET, _pairs) {
 #include "cpu/attention_kernels.inc"
 }
 #undef PKV_DOT_PAIRS
+#undef PKV_INT_DOTS
 #pragma GCC pop_options  // the export below runs before the processor is checked
 
 namespace pagedkv::cpu {
@@ -59,7 +64,8 @@ PairSet PKV_CAT(pairs_set_, PKV_PAIRS_SET)() {
   namespace f = PKV_CAT(PKV_PAIRS_SET, _float);
   namespace p = PKV_CAT(PKV_PAIRS_SET, _pairs);
   return {&f::attend_item<f::bf16_t>, &p::attend_item<p::bf16_t>, f::W,
-          &f::attend_item<int8_t>, &f::attend_item<f::i4x2_t>};
+          &f::attend_item<int8_t>, &f::attend_item<f::i4x2_t>,
+          &p::attend_item<int8_t>, &p::attend_item<p::i4x2_t>};
 }
 
 }  // namespace pagedkv::cpu

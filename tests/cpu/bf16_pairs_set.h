@@ -12,6 +12,7 @@ struct PairSet {
   Attend float_path, pair_path;
   int lanes;  // float lanes of the set's vectors
   Attend int8_path, int4_path;  // the float path over int8 / int4 caches with row scales
+  Attend int8_int_path, int4_int_path;  // the same with the integer dot products (kIntDots)
 };
 
 PairSet pairs_set_base();

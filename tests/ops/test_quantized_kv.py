@@ -189,8 +189,23 @@ def run(backend, case: Case, fmt: torch.dtype) -> dict:
         assert args["out"].isnan().all()
         return args
     call(backend.ops.paged_attention, args)
-    check(args)
+    check(args, logit_error=int_query_logit_error(args))
     return args
+
+
+def int_query_logit_error(args: dict) -> float:
+    """How far the CPU's integer dot products over int8 and int4 caches (AVX512_VNNI, 16-bit
+    queries; docs/cpu_attention.md) may move a logit: each query row is rounded to int16 in
+    steps of its largest |element| / 32767, which moves q . k by at most half a step times
+    |k|_1. 0 for other formats and for float32 queries."""
+    query = args["query"]
+    if args["key_cache"].dtype not in (torch.int8, torch.uint8) or query.dtype == torch.float32:
+        return 0.0
+    q_step = (query.float().abs().amax() * args["scale"]).item() / 32767
+    kc = args["key_cache"].cpu()
+    k = reference.unpack_int4(kc) if kc.dtype == torch.uint8 else kc
+    k_l1 = (k.float().abs().sum(-1) * args["key_cache_scales"].cpu()).amax().item()
+    return q_step / 2 * k_l1
 
 
 VARLEN = dict(seq_lens=(1, 40, 97, 33, 64, 5), q_lens=(1, 40, 9, 33, 1, 2))
