@@ -62,7 +62,8 @@ def caches(shape: tuple[int, ...], name: str, device) -> dict:
             stored, scales = reference.quantize_rows(x, dtype)
             cache = zeros_kv(stored.shape, dtype, device)
             cache.copy_(stored)
-            out[f"{which}_cache_scales"] = scales.to(device)
+            out[f"{which}_cache_scales"] = zeros_kv(scales.shape, torch.float32, device)
+            out[f"{which}_cache_scales"].copy_(scales)
         elif dtype == torch.bfloat16:
             cache = zeros_kv(shape, dtype, device)
             cache.copy_(x)

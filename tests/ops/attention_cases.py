@@ -159,4 +159,5 @@ def check(args: dict, reference_of=None, float32_floor: float = 1e-6,
     assert err <= 2 * torch_err + floor, f"out error {err:.3g}, torch's {torch_err:.3g}"
     if args["lse_out"] is not None:
         err, torch_err = max_err(args["lse_out"], want_lse), max_err(torch_lse, want_lse)
-        assert err <= 2 * torch_err + 2e-5 + logit_error, f"lse error {err:.3g}, torch's {torch_err:.3g}"
+        assert err <= 2 * torch_err + 2e-5 + logit_error, (
+            f"lse error {err:.3g}, torch's {torch_err:.3g}")
