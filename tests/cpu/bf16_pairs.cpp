@@ -169,9 +169,13 @@ struct Batch {
   float v(int s, int kv, int pos, int d) const {
     return element(c.latent ? key_cache : value_cache, s, kv, pos, d);
   }
-  float element(const std::vector<uint16_t>& cache, int s, int kv, int pos, int d) const {
+  // The cache row (and scale) of sequence s's key at pos, kv head kv.
+  int64_t row_of(int s, int kv, int pos) const {
     const int64_t block = table[s * max_blocks + pos / c.block_size];
-    const int64_t row = (block * c.kv_heads + kv) * c.block_size + pos % c.block_size;
+    return (block * c.kv_heads + kv) * c.block_size + pos % c.block_size;
+  }
+  float element(const std::vector<uint16_t>& cache, int s, int kv, int pos, int d) const {
+    const int64_t row = row_of(s, kv, pos);
     if (c.format == DType::kBFloat16) return from_bf16(cache[row * c.head_size + d]);
     const bool keys = &cache == &key_cache;
     const std::vector<uint8_t>& q = keys ? key_q : value_q;
@@ -198,10 +202,7 @@ struct Batch {
     double q_max = 0, k_l1 = 0, pv_max = 0;
     for (int d = 0; d < D; ++d)
       q_max = std::max(q_max, std::fabs(double(from_bf16(query[(size_t(token) * H + h) * D + d]))));
-    const auto v_scale = [&](int kp) {
-      const int64_t block = table[s * max_blocks + kp / c.block_size];
-      return double(value_scales[(block * c.kv_heads + kv) * c.block_size + kp % c.block_size]);
-    };
+    const auto v_scale = [&](int kp) { return double(value_scales[row_of(s, kv, kp)]); };
     for (int kp = lo; kp <= qp; ++kp) {
       double row = 0;
       for (int d = 0; d < D; ++d) row += std::fabs(k(s, kv, kp, d));
