@@ -84,10 +84,12 @@ void for_each_tile_of(const PagedAttentionParams& p, int32_t s, int32_t q_tile, 
   const int32_t q_len = p.query_start_loc ? p.query_start_loc[s + 1] - p.query_start_loc[s] : 1;
   for (int32_t q0 = 0; q0 < q_len; q0 += q_tile) {
     const int32_t count = std::min(q_tile, q_len - q0);
-    const int32_t first_pos = L - q_len + q0;  // the tile's queries: first_pos ..
+    // The tile's queries sit at first_pos .. last_pos (all at L - 1 when not causal).
+    const int32_t first_pos = p.query_pos(L, q_len, q0);
+    const int32_t last_pos = p.query_pos(L, q_len, q0 + count - 1);
     const int32_t key_begin =
         p.sliding_window > 0 ? std::max(0, first_pos - p.sliding_window + 1) : 0;
-    f(QueryTile{q0, count, std::min(key_begin, L), std::max(0, first_pos + count)});
+    f(QueryTile{q0, count, std::min(key_begin, L), std::max(0, last_pos + 1)});
   }
 }
 

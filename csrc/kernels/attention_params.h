@@ -6,7 +6,8 @@
 // - Sequence i has seq_len L_i keys at positions 0..L_i-1 and q_len Q_i queries at positions
 //   L_i-Q_i .. L_i-1 (decode: Q_i = 1, token i; varlen: tokens query_start_loc[i] ..
 //   query_start_loc[i+1]-1). Query at position qp attends keys kp with kp <= qp and, with a
-//   sliding window w > 0, qp - kp < w.
+//   sliding window w > 0, qp - kp < w. Not causal (a cascade's shared prefix: every query comes
+//   after the keys), every query of sequence i sits at position L_i-1 and so sees every key.
 // - logit = scale * q.k (k dequantized: x * k_scale for fp8); soft cap: cap * tanh(logit / cap);
 //   ALiBi: + slope[head] * (kp - qp); out = softmax(logits) . v; lse = log(sum(exp(logits))).
 // - Per-(token, head) quantized caches (int8, int4, fp8 with key_scales / value_scales): k and v
@@ -19,7 +20,8 @@
 // - A decode sequence with L_i = 0 has no keys: its output row is 0 and its lse -inf.
 // - Block table entries are read only for blocks holding a key some query attends:
 //   blocks [first_key / block_size, ceil(L_i / block_size)), where first_key is 0, or with a
-//   window max(0, L_i - Q_i - w + 1). Other entries (padding, freed blocks) may hold anything.
+//   window max(0, qp_0 - w + 1) for the first query's position qp_0. Other entries (padding,
+//   freed blocks) may hold anything.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -63,6 +65,15 @@ struct PagedAttentionParams {
   DType cache_dtype;               // dtype, or kFp8E4M3 / kFp8E5M2 with k_scale and v_scale or
                                    // with key_scales and value_scales, or kInt8 / kInt4 with
                                    // key_scales and value_scales
+  bool causal = true;              // false: every query at position seq_len - 1 (see above)
+
+  // Position of query qi (0-based within its sequence's q_len queries).
+#if defined(__CUDACC__)
+  __host__ __device__
+#endif
+  int32_t query_pos(int32_t seq_len, int32_t q_len, int32_t qi) const {
+    return causal ? seq_len - q_len + qi : seq_len - 1;
+  }
 };
 
 // A finished row's sink (see above): its lse over the keys becomes log(e^lse + e^sink) and its

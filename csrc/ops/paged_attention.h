@@ -12,14 +12,14 @@
 
 namespace pagedkv {
 
-// Attention of each query token over its sequence's paged K/V: decode, or varlen causal queries
-// with query_start_loc.
+// Attention of each query token over its sequence's paged K/V: decode, or varlen queries with
+// query_start_loc, causal or (causal=False, a cascade's shared prefix) all seeing every key.
 inline constexpr char kPagedAttentionSchema[] =
     "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
     "Tensor block_tables, Tensor seq_lens, Tensor? query_start_loc, int max_seq_len, "
     "int max_query_len, float scale, Tensor? alibi_slopes, int sliding_window, float soft_cap, "
     "Tensor? k_scale, Tensor? v_scale, Tensor(b!)? lse_out, Tensor? sinks=None, "
-    "Tensor? key_cache_scales=None, Tensor? value_cache_scales=None) -> ()";
+    "Tensor? key_cache_scales=None, Tensor? value_cache_scales=None, bool causal=True) -> ()";
 
 // Index contents (lengths, query_start_loc, block ids), checked when readable for free.
 inline void check_attention_indices(const PagedAttentionParams& p, const at::Tensor& block_tables,
@@ -46,7 +46,8 @@ inline void check_attention_indices(const PagedAttentionParams& p, const at::Ten
       q_len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
       TORCH_CHECK(q_len >= 0, op, ": query_start_loc must be non-decreasing, got ", qsl[s],
                   " then ", qsl[s + 1], " at ", s);
-      TORCH_CHECK(q_len <= L[s], op, ": sequence ", s, " has ", q_len,
+      // Causal queries are the sequence's last positions; others all sit at its end.
+      TORCH_CHECK(!p.causal || q_len <= L[s], op, ": sequence ", s, " has ", q_len,
                   " query tokens (query_start_loc) but seq_lens[", s, "] = ", L[s]);
       TORCH_CHECK(q_len <= p.max_query_len, op, ": sequence ", s, " has ", q_len,
                   " query tokens, more than max_query_len = ", p.max_query_len);
@@ -57,7 +58,10 @@ inline void check_attention_indices(const PagedAttentionParams& p, const at::Ten
                 " needs ", num_blocks_needed, " blocks, block_tables has ", p.max_blocks_per_seq,
                 " per sequence");
     int64_t first_key = 0;
-    if (p.sliding_window > 0) first_key = std::max<int64_t>(0, L[s] - q_len - p.sliding_window + 1);
+    const int64_t first_query_pos = p.causal ? L[s] - q_len : L[s] - 1;
+    if (p.sliding_window > 0) {
+      first_key = std::max<int64_t>(0, first_query_pos - p.sliding_window + 1);
+    }
     const int32_t* row = table.data_ptr<int32_t>() + s * p.block_table_stride;
     for (int64_t b = first_key / block_size; b < num_blocks_needed; ++b) {
       TORCH_CHECK(row[b] >= 0 && row[b] < p.num_blocks, op, ": block_tables[", s, ", ", b,
@@ -124,7 +128,7 @@ inline PagedAttentionParams paged_attention_params(
     double soft_cap, const c10::optional<at::Tensor>& k_scale,
     const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lse_out,
     const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& key_cache_scales,
-    const c10::optional<at::Tensor>& value_cache_scales) {
+    const c10::optional<at::Tensor>& value_cache_scales, bool causal) {
   constexpr const char* op = "paged_attention";
   const DType dtype = check_rows(query, op, "query");
   check_like(out, query, op, "out", "query");
@@ -200,6 +204,7 @@ inline PagedAttentionParams paged_attention_params(
   p.soft_cap = static_cast<float>(soft_cap);
   p.dtype = dtype;
   p.cache_dtype = cache_dtype;
+  p.causal = causal;
   check_attention_indices(p, block_tables, seq_lens, query_start_loc, op);
   return p;
 }
@@ -220,11 +225,11 @@ void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const c10::optional<at::Tensor>& lse_out,
                         const c10::optional<at::Tensor>& sinks,
                         const c10::optional<at::Tensor>& key_cache_scales,
-                        const c10::optional<at::Tensor>& value_cache_scales) {
+                        const c10::optional<at::Tensor>& value_cache_scales, bool causal) {
   Run(paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
                              query_start_loc, max_seq_len, max_query_len, scale, alibi_slopes,
                              sliding_window, soft_cap, k_scale, v_scale, lse_out, sinks,
-                             key_cache_scales, value_cache_scales),
+                             key_cache_scales, value_cache_scales, causal),
       query);
 }
 

@@ -107,6 +107,7 @@ def make_args(case: Case, device: torch.device | str = "cpu") -> dict:
         sinks=torch.randn(case.num_heads) * 3 + 1 if case.sinks else None,
         key_cache_scales=None,  # per-(token, head) quantized caches: test_quantized_kv.py
         value_cache_scales=None,
+        causal=True,  # causal=False (a cascade's prefix level): test_cascade_attention.py
     )
     args.update(case.extra)
     return to_device(args, device)

@@ -10,6 +10,7 @@ import torch
 
 from pagedkv import checks
 from pagedkv.blocks.allocator import NULL_BLOCK
+from pagedkv.blocks.cascade import CascadeBatch, CascadePolicy, plan_cascade
 from pagedkv.errors import InvalidArgumentError
 
 __all__ = ["PAD_BLOCK", "PAD_SLOT", "PAD_WINDOW", "BatchTensors", "BlockTableRows"]
@@ -35,6 +36,9 @@ class BatchTensors:
     and attend with ``group_block_tables[g]``); one group: ``(block_tables,)`` and
     ``(slot_mapping,)``. A sliding-window group's table keeps logical positions: the entries
     of blocks that no query of the sequence can reach any more hold ``PAD_WINDOW`` (-1).
+    ``group_cascades``: each group's shared-prefix plan (``pagedkv.blocks.cascade``), or None
+    where the batch was built without a cascade policy, no group of sequences qualified, or
+    the group has a sliding window; its layers then attend with the plain call.
     """
 
     block_tables: torch.Tensor
@@ -45,6 +49,7 @@ class BatchTensors:
     max_query_len: int
     group_block_tables: tuple[torch.Tensor, ...] = ()
     group_slot_mappings: tuple[torch.Tensor, ...] = ()
+    group_cascades: tuple[CascadeBatch | None, ...] = ()
 
 
 class BlockTableRows:
@@ -92,6 +97,7 @@ class BlockTableRows:
         device: torch.device | str | None = None,
         max_blocks: int | None = None,
         pad_tokens_to: int | None = None,
+        cascade: CascadePolicy | None = None,
     ) -> BatchTensors:
         """Batch tensors of the sequences in ``rows`` (intp) with ``seq_lens`` (int32) tokens; the
         other arguments as ``BlockManager.build_batch`` takes them (checked here)."""
@@ -127,9 +133,14 @@ class BlockTableRows:
         tensors = [torch.from_numpy(array) for array in arrays]
         if device is not None:
             tensors = [tensor.to(device) for tensor in tensors]
-        return BatchTensors(*tensors, max_seq_len=max_seq_len,
-                            max_query_len=int(query_lens.max()) if n else 0,
-                            group_block_tables=(tensors[0],), group_slot_mappings=(tensors[2],))
+        max_query_len = int(query_lens.max()) if n else 0
+        plan = None
+        if cascade is not None:
+            plan = plan_cascade(arrays[0], seq_lens, query_lens, self.block_size, cascade,
+                                decode=max_query_len == 1, device=device)
+        return BatchTensors(*tensors, max_seq_len=max_seq_len, max_query_len=max_query_len,
+                            group_block_tables=(tensors[0],), group_slot_mappings=(tensors[2],),
+                            group_cascades=(plan,))
 
     def _slot_mapping(self, rows: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
                       query_start_loc: np.ndarray, pad_to: int | None) -> np.ndarray:

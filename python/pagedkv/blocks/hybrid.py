@@ -19,6 +19,7 @@ import torch
 
 from pagedkv import checks
 from pagedkv.blocks.batch import PAD_WINDOW, BatchTensors, BlockTableRows
+from pagedkv.blocks.cascade import CascadePolicy
 from pagedkv.blocks.groups import (
     GroupTables,
     Hits,
@@ -381,17 +382,20 @@ class HybridBlockManager(BlockManager):
 
     def build_batch(self, seq_ids: Sequence[Hashable], num_query_tokens: int | Sequence[int] = 1,
                     *, device: torch.device | str | None = None, max_blocks: int | None = None,
-                    pad_tokens_to: int | None = None) -> BatchTensors:
-        """As ``BlockManager.build_batch``, with every group's tables and slot mapping
-        (``group_block_tables``, ``group_slot_mappings``); ``block_tables`` and
-        ``slot_mapping`` are group 0's."""
+                    pad_tokens_to: int | None = None,
+                    cascade: CascadePolicy | None = None) -> BatchTensors:
+        """As ``BlockManager.build_batch``, with every group's tables, slot mapping and
+        cascade (``group_block_tables``, ``group_slot_mappings``, ``group_cascades``: None
+        for window groups); ``block_tables`` and ``slot_mapping`` are group 0's."""
         seqs = self._sequences.many(seq_ids)
         rows = self._sequences.rows(seq_ids, seqs)
         seq_lens = np.fromiter([len(seq.token_ids) for seq in seqs], np.int32, len(seqs))
         batches = [r.build(rows, seq_lens, num_query_tokens, device=device,
-                           max_blocks=max_blocks, pad_tokens_to=pad_tokens_to)
-                   for r in self._rows]
+                           max_blocks=max_blocks, pad_tokens_to=pad_tokens_to,
+                           cascade=cascade if window is None else None)
+                   for r, window in zip(self._rows, self.windows, strict=True)]
         batch = batches[0]
         batch.group_block_tables = tuple(b.block_tables for b in batches)
         batch.group_slot_mappings = tuple(b.slot_mapping for b in batches)
+        batch.group_cascades = tuple(b.group_cascades[0] for b in batches)
         return batch

@@ -10,6 +10,7 @@ import torch
 from pagedkv import checks
 from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.blocks.batch import BatchTensors, BlockTableRows
+from pagedkv.blocks.cascade import CascadePolicy
 from pagedkv.blocks.groups import check_group, check_groups
 from pagedkv.blocks.plan import CachePlan, PendingPlan, Phase
 from pagedkv.blocks.prefix import BlockKey, PrefixCache
@@ -384,6 +385,7 @@ class BlockManager:
         device: torch.device | str | None = None,
         max_blocks: int | None = None,
         pad_tokens_to: int | None = None,
+        cascade: CascadePolicy | None = None,
     ) -> BatchTensors:
         """The batch tensors of distinct resident sequences. Builds tensors only: run the
         pending plan (``PlanExecutor.run``) before the kernels that use them.
@@ -391,9 +393,12 @@ class BlockManager:
         ``num_query_tokens``: this step's tokens per sequence (1 for decode; the last ones of each
         sequence), one int for all or one per sequence. ``max_blocks`` fixes the block-table width
         and ``pad_tokens_to`` the slot_mapping length (padded with -1), e.g. for CUDA graphs.
+        ``cascade``: plan the shared-prefix attention of the sequences that share blocks
+        (``batch.group_cascades``), grouping those that pay under the policy.
         """
         seqs = self._sequences.many(seq_ids)
         rows = self._sequences.rows(seq_ids, seqs)
         seq_lens = np.fromiter([len(seq.token_ids) for seq in seqs], np.int32, len(seqs))
         return self.tables.build(rows, seq_lens, num_query_tokens, device=device,
-                                 max_blocks=max_blocks, pad_tokens_to=pad_tokens_to)
+                                 max_blocks=max_blocks, pad_tokens_to=pad_tokens_to,
+                                 cascade=cascade)

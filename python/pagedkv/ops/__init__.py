@@ -130,11 +130,13 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     key_cache_scales: torch.Tensor | None = None,
     value_cache_scales: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> None:
     """Attention of each query token over its sequence's paged K/V cache, written into ``out``.
 
     Sequence ``i`` has ``seq_lens[i]`` keys at positions ``0 .. seq_lens[i] - 1``; its query
-    tokens are its last ``q_len_i`` positions and attend causally. logit = scale * q.k, then
+    tokens are its last ``q_len_i`` positions and attend causally (with ``causal=False``, all
+    of them sit at position ``seq_lens[i] - 1`` and see every key). logit = scale * q.k, then
     the soft cap ``soft_cap * tanh(logit / soft_cap)``, then ALiBi ``slope * (key_pos -
     query_pos)``; a query at position ``p`` sees keys ``p - sliding_window < key_pos <= p``.
 
@@ -192,6 +194,10 @@ def paged_attention(
         float32 ``[num_blocks, num_kv_heads, block_size]``, the rows' scales, as
         :func:`reshape_and_cache` writes them: required with int8 and int4 caches, and with an
         fp8 cache in place of ``k_scale`` / ``v_scale``.
+    causal : bool
+        False: every query of a sequence sees all of its keys, as the queries of a cascade's
+        shared prefix do (every query comes after the prefix); ALiBi and the window then count
+        from position ``seq_lens[i] - 1``. Decode is the same either way.
 
     Example
     -------
@@ -204,7 +210,7 @@ def paged_attention(
     torch.ops.pagedkv.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         max_seq_len, max_query_len, scale, alibi_slopes, sliding_window, soft_cap, k_scale,
-        v_scale, lse_out, sinks, key_cache_scales, value_cache_scales,
+        v_scale, lse_out, sinks, key_cache_scales, value_cache_scales, causal,
     )
 
 

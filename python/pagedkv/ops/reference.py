@@ -176,8 +176,10 @@ def attention_logits(
     alibi_slopes: torch.Tensor | None,
     sliding_window: int,
     soft_cap: float,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Logits ``[num_heads, q_len, seq_len]`` of a sequence's queries (its last positions).
+    """Logits ``[num_heads, q_len, seq_len]`` of a sequence's queries (its last positions; all
+    at position ``seq_len - 1`` when not ``causal``).
 
     ``q`` is ``[q_len, num_heads, head_size]``, ``k`` ``[seq_len, num_heads, head_size]`` (kv
     heads already repeated for their query heads), both in the compute dtype. Masked entries
@@ -187,7 +189,8 @@ def attention_logits(
     logits = scale * torch.einsum("qhd,khd->hqk", q, k)
     if soft_cap > 0:
         logits = soft_cap * torch.tanh(logits / soft_cap)
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    q_pos = (torch.arange(seq_len - q_len, seq_len, device=q.device) if causal
+             else torch.full((q_len,), seq_len - 1, device=q.device))[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(q.device, logits.dtype)[:, None, None]
@@ -218,6 +221,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     key_cache_scales: torch.Tensor | None = None,
     value_cache_scales: torch.Tensor | None = None,
+    causal: bool = True,
     *,
     compute_dtype: torch.dtype = torch.float32,
 ) -> None:
@@ -248,7 +252,8 @@ def paged_attention(
         k = k.to(compute_dtype).repeat_interleave(group, dim=1)
         v = v.to(compute_dtype).repeat_interleave(group, dim=1)
         q = query[rows].to(compute_dtype)
-        logits = attention_logits(q, k, seq_len, scale, alibi_slopes, sliding_window, soft_cap)
+        logits = attention_logits(q, k, seq_len, scale, alibi_slopes, sliding_window, soft_cap,
+                                  causal)
         if sinks is not None:  # the virtual key: a column of logits, no value row
             sink = sinks.to(logits.device, logits.dtype)[:, None, None].expand(-1, q_len, 1)
             lse = torch.logsumexp(torch.cat([logits, sink], dim=-1), dim=-1)

@@ -284,6 +284,7 @@ class LLMEngine(ServingLoop):
         self.cpu_cache = (cpu_cache_for(self.cache, config.num_cpu_blocks)
                           if config.num_cpu_blocks else None)
         self.executor = PlanExecutor(self.cache, self.cpu_cache)
+        self.cascade = config.cascade_policy  # plans each step's shared-prefix attention
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
 
     @property
@@ -293,7 +294,7 @@ class LLMEngine(ServingLoop):
     def run_batch(self, requests: list[Request], query_lens: list[int], shape: StepShape,
                   start: float) -> tuple[list[int], float]:
         batch = self.manager.build_batch([r.request_id for r in requests], query_lens,
-                                         device=self.device)
+                                         device=self.device, cascade=self.cascade)
         tokens = [r.token_ids[:r.context_len] for r in requests]
         input_ids = [t for seq, q in zip(tokens, query_lens, strict=True) for t in seq[-q:]]
         positions = [p for seq, q in zip(tokens, query_lens, strict=True)

@@ -84,7 +84,8 @@ def shard_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig,
 class Attention(nn.Module):
     """GQA self-attention over the paged cache of one layer: it writes and reads with its KV
     cache group's slot mapping and block tables (``batch.group_*[group]``), attends within its
-    sliding window (``window``, None: full), with its sinks (float32 ``[num_heads]``, or None)."""
+    sliding window (``window``, None: full), with its sinks (float32 ``[num_heads]``, or None);
+    over a shared-prefix plan (``batch.group_cascades[group]``) when the batch has one."""
 
     kernels: Any = ops  # pagedkv.ops, or a torch.ops namespace with the same schemas
 
@@ -123,6 +124,11 @@ class Attention(nn.Module):
         kernels.reshape_and_cache(key=k, value=v,
                                   slot_mapping=batch.group_slot_mappings[self.group], **layer)
         out = torch.empty_like(q)
+        cascade = batch.group_cascades[self.group] if batch.group_cascades else None
+        if cascade is not None and self.window is None:  # shared blocks read once per group
+            cascade.attention(out, q, scale=self.scale, sinks=self._sinks(), kernels=kernels,
+                              **layer)
+            return self.tp.all_reduce(self.out(out.view(n, -1))[0])
         kernels.paged_attention(
             out=out, query=q, block_tables=batch.group_block_tables[self.group],
             seq_lens=batch.seq_lens,

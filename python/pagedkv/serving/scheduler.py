@@ -28,6 +28,7 @@ from enum import Enum
 import torch
 
 from pagedkv import checks
+from pagedkv.blocks.cascade import CascadePolicy
 from pagedkv.blocks.groups import live_blocks
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.cache.formats import CacheFormat, cache_format
@@ -122,7 +123,10 @@ class EngineConfig:
     ``cache_dtype``: how the cache stores K/V (``pagedkv.cache.formats``), None for the model's
     dtype: a torch dtype (fp8: a scale per layer) or a format name such as ``"int8"``,
     ``"int4"`` or ``"fp8_e4m3_per_token_head"`` (a scale per token and head: about 2x, 4x, 2x
-    the tokens of a 16-bit cache in the same ``kv_cache_bytes``).
+    the tokens of a 16-bit cache in the same ``kv_cache_bytes``). ``cascade``: attend over the
+    blocks that requests share (forks, prefix-cache hits) once per group of requests, not once
+    per request (``pagedkv.blocks.cascade``): None where ``CascadePolicy()`` says it pays,
+    True for every group of two sharing a block, False never; a ``CascadePolicy`` of one's own.
     """
 
     block_size: int = 16
@@ -136,6 +140,7 @@ class EngineConfig:
     cache_dtype: torch.dtype | str | CacheFormat | None = None
     seed: int = 0
     chunked_prefill: bool = False
+    cascade: bool | CascadePolicy | None = None
 
     def __post_init__(self) -> None:
         self.block_size = checks.positive(self.block_size, "block_size")
@@ -155,6 +160,18 @@ class EngineConfig:
         if not isinstance(self.chunked_prefill, bool):
             raise InvalidArgumentError(f"chunked_prefill must be a bool, got "
                                        f"{self.chunked_prefill!r}")
+        if self.cascade is not None and not isinstance(self.cascade, (bool, CascadePolicy)):
+            raise InvalidArgumentError(f"cascade must be None, a bool or a CascadePolicy, got "
+                                       f"{self.cascade!r}")
+
+    @property
+    def cascade_policy(self) -> CascadePolicy | None:
+        """The policy ``cascade`` names (None: no cascade)."""
+        if self.cascade is None:
+            return CascadePolicy()
+        if isinstance(self.cascade, CascadePolicy):
+            return self.cascade
+        return CascadePolicy.always() if self.cascade else None
 
     @classmethod
     def contiguous(cls, max_len: int, num_slots: int, **kwargs) -> EngineConfig:
