@@ -294,3 +294,42 @@ def test_a_failing_step_is_retried_and_loses_nothing(hf, expected, target: str,
         assert len(manager) == 0 and not manager.plan(), fail_at
         assert manager.allocator.num_used_blocks == 0, fail_at
         assert manager.cpu_allocator.num_used_blocks == 0, fail_at
+
+
+# ---- cascade (shared-prefix) attention -----------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [4, 5])
+def test_cascade_gives_the_same_greedy_tokens(hf, expected, block_size) -> None:
+    """The shared system prompt's blocks read once per group: the same tokens as without."""
+    on = make_engine(hf, block_size=block_size, num_blocks=64, cascade=True)
+    assert on.generate(PROMPTS, params()) == expected
+    assert on.stats.cascade_steps > 0 and on.stats.cascade_saved_tokens > 0
+    off = make_engine(hf, block_size=block_size, num_blocks=64, cascade=False)
+    assert off.generate(PROMPTS, params()) == expected
+    assert off.stats.cascade_steps == 0
+    assert on.manager.allocator.num_used_blocks == 0
+
+
+def test_cascade_on_parallel_samples_of_one_long_prompt(hf) -> None:
+    """n samples of one prompt (a prefix-cache hit for all but the first), decode and mixed
+    steps: the same tokens with cascade forced, off and automatic."""
+    prompt = [(7 * i + 3) % 250 for i in range(45)]
+    prompts = [prompt + [i] for i in range(6)] + [prompt]
+    sampling = [SamplingParams(max_tokens=6 + i % 3) for i in range(len(prompts))]
+    runs = {}
+    for cascade in (True, False, None):
+        engine = make_engine(hf, block_size=4, num_blocks=128, cascade=cascade,
+                             max_num_batched_tokens=64, chunked_prefill=True)
+        runs[cascade] = engine.generate(prompts, sampling)
+        if cascade:
+            assert engine.stats.cascade_steps > 0
+    assert runs[True] == runs[False] == runs[None]
+    assert runs[False][0] == hf_greedy(hf, prompts[0], 6)
+
+
+@pytest.mark.parametrize("value", [1, "yes", 0.5])
+def test_cascade_config_is_checked(value) -> None:
+    with pytest.raises(InvalidArgumentError, match="cascade must be None, a bool or a "
+                                                   "CascadePolicy"):
+        EngineConfig(cascade=value)

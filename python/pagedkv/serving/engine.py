@@ -295,6 +295,10 @@ class LLMEngine(ServingLoop):
                   start: float) -> tuple[list[int], float]:
         batch = self.manager.build_batch([r.request_id for r in requests], query_lens,
                                          device=self.device, cascade=self.cascade)
+        plans = [plan for plan in batch.group_cascades if plan is not None]
+        if plans:
+            self.stats.cascade_steps += 1
+            self.stats.cascade_saved_tokens += sum(p.shared_tokens_saved for p in plans)
         tokens = [r.token_ids[:r.context_len] for r in requests]
         input_ids = [t for seq, q in zip(tokens, query_lens, strict=True) for t in seq[-q:]]
         positions = [p for seq, q in zip(tokens, query_lens, strict=True)

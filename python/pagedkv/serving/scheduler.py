@@ -196,6 +196,8 @@ class EngineStats:
     used_slots: int = 0  # summed over steps: slots of the blocks in use
     empty_slots: int = 0  # summed over steps: slots of running requests' blocks holding no token
     seconds: float = 0.0  # summed step times (measured by the engine, modeled by the simulator)
+    cascade_steps: int = 0  # steps whose attention ran a shared-prefix cascade
+    cascade_saved_tokens: int = 0  # summed over them: key rows per layer and kv head not read
 
     @property
     def kv_waste(self) -> float:

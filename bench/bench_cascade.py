@@ -1,0 +1,127 @@
+"""Cascade (shared-prefix) attention against plain paged_attention, side by side.
+
+G decode requests share a P-token prefix (whole blocks) and own S tokens each (bfloat16, 32
+query heads / 8 kv heads, head size 128, block size 16). Each repetition times the plain call
+and the cascade (``pagedkv.blocks.cascade``: the prefix level over the shared blocks once for
+all G queries, the suffix level, the merge) in turn, each after a torch.sum over 256 MiB (8x a
+32 MiB L3: K/V come from DRAM), and a probe (that sum, timed). Rows report each one's median
+time, the plain call's K/V bytes per second as a fraction of the probe's, and the speedup: the
+median over repetitions of plain / cascade. ``--sweep`` adds the (G, P) grid that sets
+``CascadePolicy``'s defaults.
+
+    python -m bench.bench_cascade [--quick] [--sweep] [--device cpu]
+
+prints the table and writes bench/results/cascade.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import pagedkv  # noqa: F401  (loads torch.ops.pagedkv)
+from pagedkv import ops
+from pagedkv.blocks.cascade import CascadePolicy, plan_cascade
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def case(group: int, prefix: int, suffix: int, device: torch.device):
+    """Caches, tables and queries of G requests sharing `prefix` tokens, `suffix` own each."""
+    shared = prefix // BLOCK
+    own = -(-suffix // BLOCK)
+    num_blocks = 1 + shared + group * own
+    shape = (num_blocks, KV_HEADS, BLOCK, HEAD_SIZE)
+    kc = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    vc = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    ids = torch.randperm(num_blocks - 1)[:shared + group * own] + 1
+    tables = torch.zeros(group, shared + own, dtype=torch.int32)
+    tables[:, :shared] = ids[:shared]
+    tables[:, shared:] = ids[shared:].view(group, own)
+    lens = torch.full((group,), prefix + suffix, dtype=torch.int32)
+    query = torch.randn(group, HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=device)
+    plan = plan_cascade(tables.numpy(), lens.numpy(), 1, BLOCK, CascadePolicy.always(),
+                        decode=True, device=device)
+    args = dict(key_cache=kc, value_cache=vc, block_tables=tables.to(device),
+                seq_lens=lens.to(device), query_start_loc=None, max_seq_len=prefix + suffix,
+                max_query_len=1, scale=HEAD_SIZE**-0.5, alibi_slopes=None, sliding_window=-1,
+                soft_cap=0.0, k_scale=None, v_scale=None, lse_out=None)
+    return query, args, plan
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device) -> float:
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
+def run(group: int, prefix: int, suffix: int, device: torch.device, reps: int) -> dict:
+    query, args, plan = case(group, prefix, suffix, device)
+    flush = torch.ones(64 << 20, dtype=torch.float32, device=device)  # 256 MiB
+    out_plain, out_cascade = torch.empty_like(query), torch.empty_like(query)
+    plain = lambda: ops.paged_attention(out_plain, query, **args)  # noqa: E731
+    cache = dict(key_cache=args["key_cache"], value_cache=args["value_cache"])
+    cascade = lambda: plan.attention(out_cascade, query, scale=args["scale"], **cache)  # noqa
+    times = {"plain": [], "cascade": [], "probe": []}
+    for rep in range(reps + 1):
+        for name, fn in (("plain", plain), ("cascade", cascade)):
+            flush.sum()
+            t = timed(fn, device)
+            if rep:
+                times[name].append(t)
+        t = timed(lambda: flush.sum(), device)
+        if rep:
+            times["probe"].append(t)
+    err = (out_plain.float() - out_cascade.float()).abs().max().item()
+    kv_bytes = 2 * group * (prefix + suffix) * KV_HEADS * HEAD_SIZE * 2
+    probe_gbs = statistics.median(flush.numel() * 4 / t for t in times["probe"]) / 1e9
+    plain_gbs = kv_bytes / statistics.median(times["plain"]) / 1e9
+    return dict(group=group, prefix=prefix, suffix=suffix,
+                plain_ms=1e3 * statistics.median(times["plain"]),
+                cascade_ms=1e3 * statistics.median(times["cascade"]),
+                speedup=statistics.median(p / c for p, c in zip(times["plain"],
+                                                                times["cascade"], strict=True)),
+                plain_gbs=plain_gbs, plain_fraction=plain_gbs / probe_gbs, probe_gbs=probe_gbs,
+                max_abs_diff=err)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_cascade", description=__doc__)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer runs")
+    parser.add_argument("--sweep", action="store_true", help="the (G, P) grid too")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    reps = 3 if args.quick else 7
+    cases = [(16, 1024, 128), (4, 256, 128)] if args.quick else [(64, 4096, 128), (8, 512, 128)]
+    if args.sweep:
+        cases += [(g, p, 128) for g in (2, 4, 8, 16, 32) for p in (256, 512, 1024, 2048)]
+    rows = [run(*c, device, reps) for c in cases]
+    print(f"cascade vs plain paged_attention, decode, bf16 {HEADS}q/{KV_HEADS}kv head "
+          f"{HEAD_SIZE} block {BLOCK}, {device}, median of {reps}")
+    print(f"{'G':>4} {'prefix':>7} {'own':>5} {'plain ms':>9} {'cascade ms':>10} "
+          f"{'speedup':>8} {'plain GB/s':>10} {'of probe':>8} {'max|diff|':>9}")
+    for r in rows:
+        print(f"{r['group']:>4} {r['prefix']:>7} {r['suffix']:>5} {r['plain_ms']:>9.2f} "
+              f"{r['cascade_ms']:>10.2f} {r['speedup']:>7.2f}x {r['plain_gbs']:>10.1f} "
+              f"{r['plain_fraction']:>8.2f} {r['max_abs_diff']:>9.2g}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "cascade.json").write_text(json.dumps(dict(device=str(device), rows=rows),
+                                                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
