@@ -126,9 +126,10 @@ def shared_batch(rng: random.Random, block_size: int, shapes: list[tuple[int, in
 
 def cascade_case(backend, table, lens, num_blocks, q_lens, *, block_size, dtype=torch.bfloat16,
                  cache_dtype=None, num_heads=8, num_kv_heads=2, head_size=64, sinks=False,
-                 soft_cap=0.0, policy=CascadePolicy.always()):
+                 soft_cap=0.0, policy=None):
     """(cascade args with out computed, plain args with out computed, the plan)."""
     decode = q_lens is None
+    policy = policy or CascadePolicy.always()
     case = Case(seq_lens=tuple(int(n) for n in lens), q_lens=None if decode else tuple(q_lens),
                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                 block_size=block_size, dtype=dtype, cache_dtype=cache_dtype, sinks=sinks,
