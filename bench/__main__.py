@@ -16,7 +16,7 @@ import torch
 # small random models) is host-only too.
 SUITES = {"bench.bench_cache": True, "bench.bench_attention": True,
           "bench.bench_attention_mla": True, "bench.bench_attention_quant": True,
-          "bench.bench_features": True,
+          "bench.bench_features": True, "bench.bench_cascade": True,
           "bench.bench_manager": False,
           "bench.bench_engine": False, "bench.validate_sim": False, "bench.bench_serve": False,
           "bench.bench_gpu_model": False, "bench.bench_hf": True,

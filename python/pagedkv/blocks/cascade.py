@@ -49,8 +49,8 @@ class CascadePolicy:
     save. ``CascadePolicy.always()`` groups any two sequences sharing a block (tests, forcing).
     """
 
-    min_prefix_tokens: int = 1024
-    min_group: int = 4
+    min_prefix_tokens: int = 2048
+    min_group: int = 8
 
     def __post_init__(self) -> None:
         checks.positive(self.min_prefix_tokens, "min_prefix_tokens", checks.INT32_MAX)
