@@ -238,14 +238,13 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   // Masked tiles: a warp none of whose rows sees any of its keys (all before the window of its
   // first row, past its last row's position or the partition's end; a warp without rows) skips
   // the math, whose scores would all be -inf and change nothing.
-  // The warp sees keys below warp_key_end (past its last row's position or the partition: no)
-  // and, within a window, tiles starting at or after warp_key_lo (keys are >= 0).
+  const int warp_first = min(warp_m * 16, rows - 1);
+  const int warp_last = min(warp_m * 16 + 15, rows - 1);
   const bool warp_rows = warp_m * 16 < rows;
-  const int warp_last_pos = tile.pos(min(warp_m * 16 + 15, rows - 1));
-  const int warp_key_end = warp_rows ? min(part_end, warp_last_pos + 1) : 0;
-  const int warp_key_lo =
-      window > 0 ? tile.pos(min(warp_m * 16, rows - 1)) - window + 1 - (KW - 1) : 0;
-  auto warp_sees = [&](int wkey0) { return wkey0 < warp_key_end && wkey0 >= warp_key_lo; };
+  auto warp_sees = [&](int wkey0) {
+    return warp_rows && wkey0 < part_end && wkey0 <= tile.pos(warp_last) &&
+           (window <= 0 || wkey0 + KW - 1 > tile.pos(warp_first) - window);
+  };
   auto key_tile = [&]<bool kMasked>(int it) {
     const int key0 = part_begin + it * BN;
     copy.before_tile(it, key0, n_tiles);

@@ -35,7 +35,6 @@ struct AttentionTile {
   int part, seq, kv_head, group;
   int q_begin, q_len, seq_len;
   int row0, rows;            // the tile's first row in its sequence; rows in it (<= 0: none)
-  int qpos0, qpos_step;      // query q of the sequence sits at qpos0 + q * qpos_step
   int first_pos, last_pos;   // query positions of its first and last rows
   int window;                // sliding window (> 0) or off
   int part_begin, part_end;  // its partition's keys
@@ -55,10 +54,8 @@ struct AttentionTile {
     seq_len = p.seq_lens[seq];
     row0 = tile * tile_rows;
     rows = min(tile_rows, q_len * group - row0);
-    qpos0 = p.query_pos(seq_len, q_len, 0);
-    qpos_step = p.causal ? 1 : 0;
-    first_pos = pos(0);
-    last_pos = pos(rows - 1);
+    first_pos = p.query_pos(seq_len, q_len, row0 / group);
+    last_pos = p.query_pos(seq_len, q_len, (row0 + rows - 1) / group);
     window = p.sliding_window;
     const int kv_end = min(last_pos + 1, seq_len);
     const int window_begin = window > 0 ? max(0, first_pos - window + 1) : 0;
@@ -71,8 +68,9 @@ struct AttentionTile {
   // Query token, query head and position of row r of the tile.
   __device__ __forceinline__ int token(int r) const { return q_begin + (row0 + r) / group; }
   __device__ __forceinline__ int head(int r) const { return kv_head * group + (row0 + r) % group; }
+  // (Not causal, first_pos is the sequence's end and the max makes every row's position it.)
   __device__ __forceinline__ int pos(int r) const {
-    return qpos0 + qpos_step * ((row0 + r) / group);
+    return max(seq_len - q_len + (row0 + r) / group, first_pos);
   }
 
   // Keys [begin, end) that every row of the tile sees, whole: below the first row's causal
