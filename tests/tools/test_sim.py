@@ -253,3 +253,44 @@ def test_the_hybrid_strategy_runs_the_hybrid_manager_on_more_pages():
     swapped = sim.run_strategy(sim.HYBRID, requests, arrivals, LinearCost(), 6000, 16, 1024,
                                hybrid=hybrid, num_cpu_blocks=256)
     assert swapped.finished == 60 and swapped.swapped_blocks > 0
+
+
+def _served(name: str, requests: list[Request], arrivals: list[float],
+            cost: LinearCost) -> tuple[sim.SimulatedServer, list]:
+    server = sim.SimulatedServer(sim.strategy_config(name, 4096, 16, 256), cost, 256)
+    queued = sim.drive(server, arrivals, lambda i, t: server.add_trace_request(requests[i], t))
+    return server, queued
+
+
+def test_the_cascade_strategy_reads_shared_blocks_once():
+    """Eleven requests behind one 80-token prompt (5 blocks), arriving after the first computed
+    it: paged+cascade schedules them as paged+prefix does and generates the same tokens, and
+    each step is cheaper by exactly the K/V rows its cascades did not read."""
+    requests = [Request(i, 80 + 3 + 2 * i, 9 + i % 4, prefix_id=0, prefix_len=80)
+                for i in range(12)]
+    arrivals = [0.0] + [1.0] * 11
+    cost = LinearCost(per_kv=1e-5)
+    plain, plain_queued = _served("paged+prefix", requests, arrivals, cost)
+    cascade, cascade_queued = _served(sim.CASCADE, requests, arrivals, cost)
+    assert cascade.config.cascade_policy is not None and plain.config.cascade_policy is None
+    assert [r.output_token_ids for r in cascade_queued] == [
+        r.output_token_ids for r in plain_queued]
+    assert cascade.stats.steps == plain.stats.steps and plain.stats.cascade_steps == 0
+    saved = cascade.stats.cascade_saved_tokens
+    assert cascade.stats.cascade_steps > 0 and saved > 0 and saved % 16 == 0
+    assert cascade.kv_saved_tokens == saved and plain.kv_saved_tokens == 0
+    assert cascade.kv_read_tokens == plain.kv_read_tokens
+    assert plain.clock - cascade.clock == pytest.approx(cost.per_kv * saved)
+    assert cascade.series["stored"] == plain.series["stored"]  # the batch's tokens, as stored
+    first = sim.run_strategy(sim.CASCADE, requests, arrivals, cost, 4096, 16, 256)
+    assert first.kv_read_saved == pytest.approx(saved / plain.kv_read_tokens)
+    assert sim.run_strategy("paged+prefix", requests, arrivals, cost, 4096, 16, 256
+                            ).kv_read_saved is None
+
+
+def test_the_cascade_strategy_without_shared_prompts_changes_nothing():
+    requests = [Request(i, 40 + i, 6) for i in range(8)]
+    cost = LinearCost(per_kv=1e-5)
+    plain, _ = _served("paged+prefix", requests, [0.0] * 8, cost)
+    cascade, _ = _served(sim.CASCADE, requests, [0.0] * 8, cost)
+    assert cascade.stats.cascade_steps == 0 and cascade.clock == plain.clock

@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--strategies", type=argtypes.choices_list(sim.ALL_STRATEGIES),
                      help="comma-separated subset of " + ", ".join(sim.ALL_STRATEGIES)
-                          + f" (default: all; {sim.HYBRID} only for a model with sliding-window "
-                            "layers)")
+                          + f" (default: all but {sim.CASCADE}; {sim.HYBRID} only for a model "
+                            "with sliding-window layers)")
     out.add_argument("--plot", type=argtypes.output_file, metavar="PNG",
                      help="write a plot: memory over time, or latency vs rate with --sweep-rate")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -187,7 +187,7 @@ def _resolve_strategies(args: argparse.Namespace) -> None:
     """The default strategies (paged+hybrid with a windowed model), or a check of those given."""
     windowed = args.model.layer_windows is not None
     if args.strategies is None:
-        args.strategies = list(sim.ALL_STRATEGIES if windowed else sim.STRATEGIES)
+        args.strategies = list((*sim.STRATEGIES, sim.HYBRID) if windowed else sim.STRATEGIES)
         return
     if sim.HYBRID in args.strategies and not windowed:
         args.parser.error(f"argument --strategies: {sim.HYBRID} needs a model with "

@@ -35,6 +35,7 @@ _COLUMNS = [  # header, width, format of one result
     ("its cost", 9, lambda r: _s(r.preemption_seconds)),
     ("waste", 7, lambda r: f"{r.kv_waste:.1%}"),
     ("prefix hit", 11, lambda r: _pct(r.prefix_hit_rate)),
+    ("kv saved", 9, lambda r: _pct(r.kv_read_saved)),
 ]
 
 LEGEND = """\
@@ -45,7 +46,8 @@ norm lat      normalized latency: end-to-end latency / output tokens, mean over 
 mean run      requests in the batch, averaged over steps
 preempt       preemptions (swap out or free and recompute); its cost: the step time they added
 waste         KV slots in use that held no token, averaged over steps
-prefix hit    prompt tokens found in the prefix cache"""
+prefix hit    prompt tokens found in the prefix cache
+kv saved      K/V reads that cascade attention saved (paged+cascade: shared blocks read once)"""
 
 
 def format_table(results: dict[str, StrategyResult], legend: bool = True) -> str:

@@ -9,23 +9,26 @@ decisions, made by the same code.
 
 Strategies share one KV budget of token slots:
 
-================  ============================================================================
-``contiguous``    one block of ``max_len`` slots per request (contiguous max-length reservation,
-                  what a server that does not know the output length must do), no sharing;
-``paged``         blocks of ``block_size`` taken as tokens arrive;
-``paged+prefix``  the same with prefix caching: cached full prompt blocks are shared;
-``paged+hybrid``  paged+prefix with the hybrid manager (a model with sliding-window layers):
-                  blocks are pages of a KV cache group's layers, so the same bytes hold
-                  ``Hybrid.pages_per_block`` times the blocks, and window groups free what
-                  falls behind the window. Not among the defaults of a model without windows.
-================  ============================================================================
+=================  ============================================================================
+``contiguous``     one block of ``max_len`` slots per request (contiguous max-length reservation,
+                   what a server that does not know the output length must do), no sharing;
+``paged``          blocks of ``block_size`` taken as tokens arrive;
+``paged+prefix``   the same with prefix caching: cached full prompt blocks are shared;
+``paged+cascade``  paged+prefix whose attention reads a block that a step's requests share once
+                   for all of them (``EngineConfig(cascade=True)``, planned by the block manager
+                   each step): the step's ``kv_read`` loses the key rows the plan saves;
+``paged+hybrid``   paged+prefix with the hybrid manager (a model with sliding-window layers):
+                   blocks are pages of a KV cache group's layers, so the same bytes hold
+                   ``Hybrid.pages_per_block`` times the blocks, and window groups free what
+                   falls behind the window. Not among the defaults of a model without windows.
+=================  ============================================================================
 
 Requests arrive as a seeded Poisson process at a rate (requests per second) or at the trace's
 times. Per strategy: throughput (requests/s, output tokens/s), TTFT, TPOT and normalized latency
 (end-to-end latency / output tokens, the vLLM paper's metric) with p50/p90/p99, preemptions and
-the time they cost (the marginal step time of recomputes and swaps), KV waste, concurrency and
-the prefix hit rate. ``sweep`` runs a range of rates; docs/simulator.md explains the model and
-its validation against the real engine.
+the time they cost (the marginal step time of recomputes and swaps), KV waste, concurrency, the
+prefix hit rate and the share of K/V reads a cascade saved. ``sweep`` runs a range of rates;
+docs/simulator.md explains the model and its validation against the real engine.
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ from pagedkv.serving.engine import ServingLoop
 from pagedkv.serving.scheduler import EngineConfig, Request, SamplingParams, StepShape
 from pagedkv.tools import traces
 
-__all__ = ["ALL_STRATEGIES", "HYBRID", "STRATEGIES", "Hybrid", "SimulatedServer",
+__all__ = ["ALL_STRATEGIES", "CASCADE", "HYBRID", "STRATEGIES", "Hybrid", "SimulatedServer",
            "SimulationError", "StrategyResult", "drive", "poisson_arrivals", "run_strategy",
            "simulate", "strategy_config", "sustained_rate", "sweep"]
 
 STRATEGIES = ("contiguous", "paged", "paged+prefix")
+CASCADE = "paged+cascade"
 HYBRID = "paged+hybrid"
-ALL_STRATEGIES = (*STRATEGIES, HYBRID)
+ALL_STRATEGIES = (*STRATEGIES, CASCADE, HYBRID)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +85,10 @@ class SimulatedServer(ServingLoop):
 
     ``groups``: the hybrid manager's windows (None: the plain manager); its blocks are pages,
     ``pages_per_block`` of them in the bytes of a block of every layer, which is what ``cost``
-    prices a swapped block at."""
+    prices a swapped block at. With ``config.cascade`` each step's batch is planned as the
+    engine plans it, and the key rows its cascades do not read come off ``shape.kv_read`` (a
+    group's rows count for its share of the layers, ``1 / pages_per_block``); the merge and the
+    second launch per layer are not priced."""
 
     def __init__(self, config: EngineConfig, cost: StepCost, max_len: int,
                  groups: tuple[int | None, ...] | None = None,
@@ -91,6 +98,7 @@ class SimulatedServer(ServingLoop):
         self.pages_per_block = pages_per_block
         self.trace: dict[int, traces.Request] = {}
         self.preemption_seconds = 0.0
+        self.kv_read_tokens = self.kv_saved_tokens = 0  # K/V rows of every layer, all steps
         self.series: dict[str, list[float]] = {"time": [], "reserved": [], "stored": [],
                                                "running": []}
 
@@ -108,6 +116,12 @@ class SimulatedServer(ServingLoop):
         if shape.swap_blocks:  # the blocks of every layer whose bytes the swapped pages take
             shape = replace(
                 shape, swap_blocks=math.ceil(shape.swap_blocks / self.pages_per_block))
+        stored = shape.kv_read
+        saved = self.cascade_saved_tokens(requests, query_lens)
+        self.kv_read_tokens += stored
+        if saved:
+            self.kv_saved_tokens += saved
+            shape = replace(shape, kv_read=shape.kv_read - saved)
         seconds = self.cost.step_seconds(shape)
         recomputing = [r.output_token_ids and q > 1 for r, q in zip(requests, query_lens,
                                                                      strict=True)]
@@ -120,9 +134,25 @@ class SimulatedServer(ServingLoop):
         series, size = self.series, self.config.block_size
         series["time"].append(self.clock + seconds)
         series["reserved"].append(self.manager.allocator.num_used_blocks * size)
-        series["stored"].append(shape.kv_read)  # the batch's tokens
+        series["stored"].append(stored)  # the batch's tokens
         series["running"].append(len(requests))
         return tokens, seconds
+
+    def cascade_saved_tokens(self, requests: list[Request], query_lens: list[int]) -> int:
+        """Key rows of every layer that this step's cascades do not read (0 without cascade),
+        counted in ``EngineStats`` as the engine counts them."""
+        policy = self.config.cascade_policy
+        if policy is None:
+            return 0
+        batch = self.manager.build_batch([r.request_id for r in requests], query_lens,
+                                         cascade=policy)
+        plans = [plan for plan in batch.group_cascades if plan is not None]
+        if not plans:
+            return 0
+        saved = sum(plan.shared_tokens_saved for plan in plans)
+        self.stats.cascade_steps += 1
+        self.stats.cascade_saved_tokens += saved
+        return min(round(saved / self.pages_per_block), sum(r.context_len for r in requests))
 
     def _record(self, requests: list[Request]) -> None:
         super()._record(requests)
@@ -157,6 +187,7 @@ class StrategyResult:
     swapped_blocks: int
     preemption_seconds: float  # marginal step time spent recomputing and swapping
     prefix_hit_rate: float | None
+    kv_read_saved: float | None = None  # share of K/V reads cascades saved (None: no cascade)
     series: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
     def summary(self) -> dict[str, object]:
@@ -188,7 +219,7 @@ def strategy_config(name: str, num_slots: int, block_size: int, max_len: int,
         return EngineConfig.contiguous(max_len, num_slots, **scheduler)
     if name in ALL_STRATEGIES:
         return EngineConfig(block_size=block_size, num_blocks=max(1, num_slots // block_size),
-                            enable_prefix_caching=name != "paged",
+                            enable_prefix_caching=name != "paged", cascade=name == CASCADE,
                             reserve_null_block=False, **scheduler)
     raise ValueError(f"unknown strategy {name!r}; strategies: {', '.join(ALL_STRATEGIES)}")
 
@@ -261,6 +292,8 @@ def _result(name: str, server: SimulatedServer, queued: list[Request]) -> Strate
         swapped_blocks=stats.swapped_blocks,
         preemption_seconds=server.preemption_seconds,
         prefix_hit_rate=prefix.stats.hit_rate if prefix is not None else None,
+        kv_read_saved=(server.kv_saved_tokens / max(server.kv_read_tokens, 1)
+                       if server.config.cascade_policy is not None else None),
         series=server.series,
     )
 
