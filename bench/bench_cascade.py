@@ -9,9 +9,15 @@ time, the plain call's K/V bytes per second as a fraction of the probe's, and th
 median over repetitions of plain / cascade. ``--sweep`` adds the (G, P) grid that sets
 ``CascadePolicy``'s defaults.
 
-    python -m bench.bench_cascade [--quick] [--sweep] [--device cpu]
+``--engine`` serves G parallel samples of one long prompt (the prompt's blocks a prefix-cache
+hit for all of them) on ``LLMEngine`` with ``EngineConfig(cascade=True)`` and ``False`` in turn,
+a random bf16 Llama whose attention has this bench's head size (2 layers, 8 q / 2 kv heads),
+and reports the decode steps' tokens/s both ways (median over runs) after checking that both
+generated the same greedy tokens.
 
-prints the table and writes bench/results/cascade.json.
+    python -m bench.bench_cascade [--quick] [--sweep] [--engine] [--device cpu]
+
+prints the tables and writes bench/results/cascade.json.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import torch
 import pagedkv  # noqa: F401  (loads torch.ops.pagedkv)
 from pagedkv import ops
 from pagedkv.blocks.cascade import CascadePolicy, plan_cascade
+from pagedkv.serving.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedkv.serving.model import ModelConfig
+from pagedkv.tools.demo import random_model
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -98,11 +107,68 @@ def run(group: int, prefix: int, suffix: int, device: torch.device, reps: int) -
                 max_abs_diff=err)
 
 
+ENGINE_MODEL = ModelConfig(vocab_size=512, hidden_size=1024, intermediate_size=512,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                           max_position_embeddings=8192)
+
+
+def serve(model, prompts: list[list[int]], new: int, cascade: bool,
+          device: torch.device) -> tuple[list[list[int]], float, int]:
+    """Greedy tokens of ``prompts``, the decode steps' seconds and tokens. The first prompt
+    runs alone first, so the others find its blocks in the prefix cache."""
+    blocks = sum(-(-(len(p) + new) // BLOCK) for p in prompts) + 8
+    engine = LLMEngine(model, EngineConfig(
+        block_size=BLOCK, num_blocks=blocks, max_num_seqs=len(prompts),
+        max_num_batched_tokens=max(map(len, prompts)) + 64 * len(prompts),
+        enable_prefix_caching=True, cascade=cascade))
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    engine.generate(prompts[:1], params)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    seconds, tokens, done = 0.0, 0, []
+    while engine.has_unfinished():
+        sync(device)
+        t = time.perf_counter()
+        done += engine.step()
+        sync(device)
+        if engine.last_shape.prefill_tokens == 0:
+            seconds += time.perf_counter() - t
+            tokens += engine.last_shape.query_tokens
+    if cascade and not engine.stats.cascade_steps:
+        raise RuntimeError("the cascade engine planned no cascade")
+    outputs = [r.output_token_ids for r in sorted(done, key=lambda r: r.request_id)]
+    return outputs, seconds, tokens
+
+
+def run_engine(group: int, prefix: int, suffix: int, new: int, device: torch.device,
+               reps: int) -> dict:
+    model = random_model(ENGINE_MODEL).to(device=device, dtype=torch.bfloat16)
+    rng = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, ENGINE_MODEL.vocab_size, (prefix,), generator=rng).tolist()
+    prompts = [shared + torch.randint(0, ENGINE_MODEL.vocab_size, (suffix,),
+                                      generator=rng).tolist() for _ in range(group)]
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    outputs = {}
+    for _ in range(reps):
+        for cascade in (False, True):
+            outputs[cascade], seconds, tokens = serve(model, prompts, new, cascade, device)
+            rates[cascade].append(tokens / seconds)
+    if outputs[True] != outputs[False]:
+        raise RuntimeError("cascade on and off generated different greedy tokens")
+    return dict(group=group, prefix=prefix, suffix=suffix, new=new,
+                plain_tokens_per_s=statistics.median(rates[False]),
+                cascade_tokens_per_s=statistics.median(rates[True]),
+                speedup=statistics.median(c / p for c, p in zip(rates[True], rates[False],
+                                                                strict=True)))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_cascade", description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer runs")
     parser.add_argument("--sweep", action="store_true", help="the (G, P) grid too")
+    parser.add_argument("--engine", action="store_true",
+                        help="LLMEngine's decode tokens/s with cascade on and off too")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     reps = 3 if args.quick else 7
@@ -118,9 +184,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['group']:>4} {r['prefix']:>7} {r['suffix']:>5} {r['plain_ms']:>9.2f} "
               f"{r['cascade_ms']:>10.2f} {r['speedup']:>7.2f}x {r['plain_gbs']:>10.1f} "
               f"{r['plain_fraction']:>8.2f} {r['max_abs_diff']:>9.2g}")
+    engine = []
+    if args.engine:
+        shapes = [(16, 2048, 16, 8)] if args.quick else [(64, 4096, 16, 16), (8, 512, 16, 16)]
+        engine = [run_engine(*c, device, 3 if args.quick else 5) for c in shapes]
+        print(f"\nLLMEngine decode steps, random bf16 Llama (2 layers, 8q/2kv head "
+              f"{HEAD_SIZE}), parallel samples of one prompt, same greedy tokens both ways")
+        print(f"{'G':>4} {'prefix':>7} {'own':>5} {'new':>4} {'plain tok/s':>11} "
+              f"{'cascade tok/s':>13} {'speedup':>8}")
+        for r in engine:
+            print(f"{r['group']:>4} {r['prefix']:>7} {r['suffix']:>5} {r['new']:>4} "
+                  f"{r['plain_tokens_per_s']:>11.0f} {r['cascade_tokens_per_s']:>13.0f} "
+                  f"{r['speedup']:>7.2f}x")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cascade.json").write_text(json.dumps(dict(device=str(device), rows=rows),
-                                                     indent=1))
+    (RESULTS / "cascade.json").write_text(json.dumps(
+        dict(device=str(device), rows=rows, engine=engine), indent=1))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 # decode GB/s and fraction of the copy bandwidth), the cost of sinks and of head 512
 # (bench.bench_features), the MLA kernel's decode, MTP and prefill rows (bench.bench_attention_mla:
 # TFLOPS and latent GB/s), the quantized caches' decode beside bf16's (bench.bench_attention_quant),
+# cascade beside plain attention and the engine's tokens/s both ways (bench.bench_cascade --engine),
 # the SASS model's estimate of each measured
 # decode row (bench_gpu_model --join: the model's calibration) and, where ncu is installed and may
 # read the counters, the instructions and DRAM bytes of one decode launch (docs/gpu_model.md).
@@ -90,6 +91,9 @@ if wants bench; then
   step bench_quant "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_attention_quant --device cuda \
     || true
   cp bench/results/attention_quant.json "$LOGDIR/" 2>/dev/null || true
+  step bench_cascade "${BENCH_TIMEOUT:-240}" "$PYTHON" -m bench.bench_cascade --device cuda \
+    --engine || true
+  cp bench/results/cascade.json "$LOGDIR/" 2>/dev/null || true
 fi
 if wants model && [ -f bench/results/attention_cuda.json ]; then
   step model "${MODEL_TIMEOUT:-300}" "$PYTHON" -m bench.bench_gpu_model --devices a100-80gb,h100,h200 \
