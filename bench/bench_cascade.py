@@ -11,9 +11,11 @@ median over repetitions of plain / cascade. ``--sweep`` adds the (G, P) grid tha
 
 ``--engine`` serves G parallel samples of one long prompt (the prompt's blocks a prefix-cache
 hit for all of them) on ``LLMEngine`` with ``EngineConfig(cascade=True)`` and ``False`` in turn,
-a random bf16 Llama whose attention has this bench's head size (2 layers, 8 q / 2 kv heads),
-and reports the decode steps' tokens/s both ways (median over runs) after checking that both
-generated the same greedy tokens.
+a random Llama whose attention has this bench's head size (2 layers, 8 q / 2 kv heads), in
+float32 and in bfloat16, and reports the decode steps' tokens/s both ways (median over runs)
+and the share of requests whose greedy tokens are the same both ways. In float32 that must be
+all of them (the run fails otherwise); in bfloat16 the two levels' outputs are rounded before
+the merge, and the random model's near-ties then flip a later token of some requests.
 
     python -m bench.bench_cascade [--quick] [--sweep] [--engine] [--device cpu]
 
@@ -141,8 +143,8 @@ def serve(model, prompts: list[list[int]], new: int, cascade: bool,
 
 
 def run_engine(group: int, prefix: int, suffix: int, new: int, device: torch.device,
-               reps: int) -> dict:
-    model = random_model(ENGINE_MODEL).to(device=device, dtype=torch.bfloat16)
+               reps: int, dtype: torch.dtype) -> dict:
+    model = random_model(ENGINE_MODEL).to(device=device, dtype=dtype)
     rng = torch.Generator().manual_seed(0)
     shared = torch.randint(0, ENGINE_MODEL.vocab_size, (prefix,), generator=rng).tolist()
     prompts = [shared + torch.randint(0, ENGINE_MODEL.vocab_size, (suffix,),
@@ -153,9 +155,12 @@ def run_engine(group: int, prefix: int, suffix: int, new: int, device: torch.dev
         for cascade in (False, True):
             outputs[cascade], seconds, tokens = serve(model, prompts, new, cascade, device)
             rates[cascade].append(tokens / seconds)
-    if outputs[True] != outputs[False]:
-        raise RuntimeError("cascade on and off generated different greedy tokens")
-    return dict(group=group, prefix=prefix, suffix=suffix, new=new,
+    same = sum(a == b for a, b in zip(outputs[True], outputs[False], strict=True)) / group
+    if dtype == torch.float32 and same < 1:
+        raise RuntimeError(f"float32: cascade on and off gave different greedy tokens for "
+                           f"{1 - same:.0%} of the requests")
+    return dict(group=group, prefix=prefix, suffix=suffix, new=new, same_tokens=same,
+                dtype=str(dtype).removeprefix("torch."),
                 plain_tokens_per_s=statistics.median(rates[False]),
                 cascade_tokens_per_s=statistics.median(rates[True]),
                 speedup=statistics.median(c / p for c, p in zip(rates[True], rates[False],
@@ -187,15 +192,17 @@ def main(argv: list[str] | None = None) -> None:
     engine = []
     if args.engine:
         shapes = [(16, 2048, 16, 8)] if args.quick else [(64, 4096, 16, 16), (8, 512, 16, 16)]
-        engine = [run_engine(*c, device, 3 if args.quick else 5) for c in shapes]
-        print(f"\nLLMEngine decode steps, random bf16 Llama (2 layers, 8q/2kv head "
-              f"{HEAD_SIZE}), parallel samples of one prompt, same greedy tokens both ways")
-        print(f"{'G':>4} {'prefix':>7} {'own':>5} {'new':>4} {'plain tok/s':>11} "
-              f"{'cascade tok/s':>13} {'speedup':>8}")
+        engine = [run_engine(*c, device, 3 if args.quick else 5, dtype)
+                  for dtype in (torch.float32, torch.bfloat16) for c in shapes]
+        print(f"\nLLMEngine decode steps, random Llama (2 layers, 8q/2kv head "
+              f"{HEAD_SIZE}), parallel samples of one prompt")
+        print(f"{'dtype':>8} {'G':>4} {'prefix':>7} {'own':>5} {'new':>4} {'plain tok/s':>11} "
+              f"{'cascade tok/s':>13} {'speedup':>8} {'same tokens':>11}")
         for r in engine:
-            print(f"{r['group']:>4} {r['prefix']:>7} {r['suffix']:>5} {r['new']:>4} "
+            print(f"{r['dtype']:>8} {r['group']:>4} {r['prefix']:>7} {r['suffix']:>5} "
+                  f"{r['new']:>4} "
                   f"{r['plain_tokens_per_s']:>11.0f} {r['cascade_tokens_per_s']:>13.0f} "
-                  f"{r['speedup']:>7.2f}x")
+                  f"{r['speedup']:>7.2f}x {r['same_tokens']:>11.0%}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "cascade.json").write_text(json.dumps(
         dict(device=str(device), rows=rows, engine=engine), indent=1))
