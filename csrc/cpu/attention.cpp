@@ -8,6 +8,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <numeric>
@@ -64,6 +65,45 @@ const AttentionKernels& select_kernels(int32_t head_size) {
     if (kIsas[i]->cpu_has() && head_size % kIsas[i]->lanes == 0) return *kIsas[i];
   }
   return *kIsas[0];  // the baseline: any processor, any head size the glue accepts
+}
+
+// Whether PAGEDKV_CPU_ISA names a set: then its arithmetic runs as compiled (tests, benchmarks).
+bool isa_named() {
+  const char* want = std::getenv("PAGEDKV_CPU_ISA");
+  return want != nullptr && *want != '\0';
+}
+
+// One thread's rate of kind's probe on k (FLOP per second of its own CPU time), over about
+// `seconds`.
+double thread_rate(const AttentionKernels& k, int kind, double seconds) {
+  for (int64_t iters = 1 << 8;; iters *= 2) {
+    const double t0 = thread_cpu_seconds();
+    const int64_t flops = k.peak_loop(kind, iters);
+    const double t = thread_cpu_seconds() - t0;
+    if (t > seconds || iters > (int64_t{1} << 40)) return static_cast<double>(flops) / t;
+  }
+}
+
+// Whether k's bfloat16 pair arithmetic (vdpbf16ps) pays over converting to floats and FMAs,
+// measured once per process on the calling thread (the best of three 2 ms runs of each probe,
+// alternating: about 15 ms). Zen 4 issues vdpbf16ps at twice its FMAs' FLOP rate; a 2-core
+// Sapphire Rapids KVM guest measured 0.59 of it, and there bf16 prefill ran 1.5x faster on
+// floats (docs/cpu_attention.md). Pairs unless they reach less than 0.8 of the FMAs.
+bool dot_pairs_pay(const AttentionKernels& k) {
+  static const bool pay = [&k] {
+    double dot = 0, fma = 0;
+    for (int i = 0; i < 3; ++i) {
+      dot = std::max(dot, thread_rate(k, kPeakBf16Dot, 2e-3));
+      fma = std::max(fma, thread_rate(k, kPeakFma, 2e-3));
+    }
+    return dot >= 0.8 * fma;
+  }();
+  return pay;
+}
+
+// k's bfloat16 prefill: pairs where the set has them and they pay (or PAGEDKV_CPU_ISA asks).
+bool uses_pairs(const AttentionKernels& k) {
+  return k.bf16_dot && (isa_named() || dot_pairs_pay(k));
 }
 
 struct Plan {
@@ -173,8 +213,9 @@ void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
     partials.lse = partial_lse.data_ptr<float>();
   }
   float* scratch_base = scratch.data_ptr<float>();
+  const auto attend = k.bf16_dot && !uses_pairs(k) ? k.attend_floats : k.attend;
   run_dynamic(workers, n, [&](int64_t worker, int64_t i) {
-    k.attend(p, plan.items[i], scratch_base + worker * per_worker, partials);
+    attend(p, plan.items[i], scratch_base + worker * per_worker, partials);
   });
   const int64_t splits = static_cast<int64_t>(plan.splits.size());
   if (splits == 0) return;
@@ -195,6 +236,8 @@ void merge_attn_states(const MergeAttnParams& p, const at::Tensor&) {
 }  // namespace
 
 const char* attention_kernel_name(int32_t head_size) { return select_kernels(head_size).name; }
+
+bool bf16_dot_products(int32_t head_size) { return uses_pairs(select_kernels(head_size)); }
 
 double peak_gflops(const char* kind_name, double seconds) {
   const bool fp32 = std::strcmp(kind_name, "fp32") == 0;

@@ -69,6 +69,9 @@ struct AttentionKernels {
   bool (*cpu_has)();   // whether this processor runs them: ask before calling the others
   void (*attend)(const PagedAttentionParams& p, const WorkItem& item, float* scratch,
                  const Partials& partials);
+  // The same with bfloat16 prefill on float FMAs, also where bf16_dot (attend_floats).
+  void (*attend_floats)(const PagedAttentionParams& p, const WorkItem& item, float* scratch,
+                        const Partials& partials);
   void (*merge_partials)(const PagedAttentionParams& p, const WorkItem* items,
                          const SplitGroup& group, const Partials& partials);
   void (*merge_attn_states)(const MergeAttnParams& p, int64_t row_begin, int64_t row_end);
@@ -88,6 +91,11 @@ PAGEDKV_CPU_ISAS(PAGEDKV_DECLARE_KERNELS)
 // The name ("base", "avx2", "avx512" or "avx512bf16") of the kernels the attention ops run for this head size
 // on this processor, PAGEDKV_CPU_ISA included (cpu/attention.cpp; `pagedkv info` shows it).
 const char* attention_kernel_name(int32_t head_size);
+
+// Whether bfloat16 prefill takes vdpbf16ps (the avx512bf16 kernels) for this head size: where
+// PAGEDKV_CPU_ISA names avx512bf16, or, unset, where this processor's bf16 dot products were
+// measured (once per process) at no less than 0.8 of its float FMAs' FLOP rate.
+bool bf16_dot_products(int32_t head_size);
 
 // The measured rate in GFLOP/s of kind ("fp32": float FMAs, "bf16": bfloat16 dot products) on
 // every thread of ATen's pool, with the widest kernels allowed (cpu/attention.cpp): the sum over

@@ -24,6 +24,7 @@ __all__ = [
     "concat_and_cache_mla",
     "copy_blocks",
     "cpu_attention_kernel",
+    "cpu_bf16_dot_products",
     "cpu_peak_gflops",
     "gather_cache",
     "merge_attn_states",
@@ -367,8 +368,9 @@ def mla_attention(
 
 def cpu_attention_kernel(head_size: int = 128) -> str:
     """The CPU attention kernels the ops run on this processor for ``head_size``: ``"base"``,
-    ``"avx2"``, ``"avx512"`` or ``"avx512bf16"`` (AVX-512 with AVX512_BF16: bfloat16 prefill on
-    ``vdpbf16ps``).
+    ``"avx2"``, ``"avx512"`` or ``"avx512bf16"`` (AVX-512 with AVX512_BF16 and VNNI: integer
+    dot products for int8 and int4 decode, bfloat16 prefill on ``vdpbf16ps`` where
+    :func:`cpu_bf16_dot_products` says so).
 
     The answer of the extension's own run-time dispatch (csrc/cpu/attention.cpp): the widest
     instruction set the processor has (AVX2 needs FMA and F16C too; the AVX-512 sets are used only
@@ -377,6 +379,19 @@ def cpu_attention_kernel(head_size: int = 128) -> str:
     (``ValueError`` otherwise).
     """
     return torch.ops.pagedkv.cpu_attention_kernel(head_size)
+
+
+def cpu_bf16_dot_products(head_size: int = 128) -> bool:
+    """Whether bfloat16 prefill on the CPU takes bfloat16 dot products (``vdpbf16ps``) for
+    ``head_size``, or converts K and V rows to floats for FMAs.
+
+    Only the avx512bf16 kernels have them (:func:`cpu_attention_kernel`), and they use them
+    where ``PAGEDKV_CPU_ISA=avx512bf16`` asks, or, unset, where this processor's dot products
+    reach at least 0.8 of its FMAs' FLOP rate, measured once per process on one thread (about
+    15 ms, at the first attention call): Zen 4 issues them at twice the FMAs' rate; a Sapphire
+    Rapids KVM guest measured 0.59 of it, and bf16 prefill ran 1.5x faster on floats there.
+    """
+    return torch.ops.pagedkv.cpu_bf16_dot_products(head_size)
 
 
 def cpu_peak_gflops(kind: str = "fp32", seconds: float = 0.05) -> float:

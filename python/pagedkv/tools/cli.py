@@ -109,8 +109,8 @@ def _info_data() -> dict[str, object]:
             "pagedkv._simt": simt, "gpu": gpu, "cuda_available": torch.cuda.is_available(),
             "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "cpu_attention_kernel": kernel,
-            # bfloat16 prefill on vdpbf16ps: the avx512bf16 kernels (csrc/cpu)
-            "cpu_bf16_dot_products": kernel == "avx512bf16"}
+            # bfloat16 prefill on vdpbf16ps: the avx512bf16 kernels, where they pay (csrc/cpu)
+            "cpu_bf16_dot_products": ops.cpu_bf16_dot_products()}
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -127,7 +127,8 @@ def _info(args: argparse.Namespace) -> int:
         f"CPU threads    {d['cpu_threads']} (torch) of {d['cpu_count']} CPUs",
         f"CPU attention  {d['cpu_attention_kernel']} kernels (head size 128); bf16 prefill: "
         + ("bf16 dot products (AVX512_BF16)" if d["cpu_bf16_dot_products"]
-           else "float FMAs (no AVX512_BF16)"),
+           else "float FMAs (bf16 dot products measured slower)"
+           if d["cpu_attention_kernel"] == "avx512bf16" else "float FMAs (no AVX512_BF16)"),
     ])
     return _print(args, d, text)
 
