@@ -459,6 +459,20 @@ def test_cpu_peak_probe(backend, monkeypatch):
     assert ops.cpu_peak_gflops("fp32", 0.001) > 0
 
 
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_cpu_bf16_dot_products(backend, isa, monkeypatch):
+    """pagedkv.ops.cpu_bf16_dot_products: only the avx512bf16 kernels take bf16 dot products,
+    always when PAGEDKV_CPU_ISA names them, never for a head size that is no multiple of 16
+    (avx2 runs it); a bad head size refused. Unset, the measured rule (tests/tools/test_cli.py)."""
+    if backend.name != "cpu":
+        pytest.skip("CPU kernels only")
+    use_cpu_isa(monkeypatch, isa)
+    assert ops.cpu_bf16_dot_products(128) == (isa == "avx512bf16")
+    assert not ops.cpu_bf16_dot_products(88)
+    with pytest.raises(RuntimeError, match="head_size must be positive"):
+        ops.cpu_bf16_dot_products(0)
+
+
 @pytest.mark.parametrize("isa", ["sse9", "avx2", "avx512", "avx512bf16"])
 def test_cpu_instruction_set_refused(backend, isa, monkeypatch):
     """PAGEDKV_CPU_ISA naming no instruction set, or one this processor lacks, is an error that
