@@ -205,6 +205,17 @@ class ServingLoop:
         and the step's time in seconds (``start``: perf_counter at the step's start)."""
         raise NotImplementedError
 
+    def _count_cascades(self, batch: BatchTensors) -> int:
+        """Counts the batch's cascades in ``stats``; returns the key rows (per layer and kv
+        head, summed over its groups) they do not read."""
+        plans = [plan for plan in batch.group_cascades if plan is not None]
+        if not plans:
+            return 0
+        saved = sum(plan.shared_tokens_saved for plan in plans)
+        self.stats.cascade_steps += 1
+        self.stats.cascade_saved_tokens += saved
+        return saved
+
     def _append(self, request: Request, token: int) -> bool:
         if not request.output_token_ids:
             request.first_token_time = self.clock
@@ -295,10 +306,7 @@ class LLMEngine(ServingLoop):
                   start: float) -> tuple[list[int], float]:
         batch = self.manager.build_batch([r.request_id for r in requests], query_lens,
                                          device=self.device, cascade=self.cascade)
-        plans = [plan for plan in batch.group_cascades if plan is not None]
-        if plans:
-            self.stats.cascade_steps += 1
-            self.stats.cascade_saved_tokens += sum(p.shared_tokens_saved for p in plans)
+        self._count_cascades(batch)
         tokens = [r.token_ids[:r.context_len] for r in requests]
         input_ids = [t for seq, q in zip(tokens, query_lens, strict=True) for t in seq[-q:]]
         positions = [p for seq, q in zip(tokens, query_lens, strict=True)

@@ -146,13 +146,7 @@ class SimulatedServer(ServingLoop):
             return 0
         batch = self.manager.build_batch([r.request_id for r in requests], query_lens,
                                          cascade=policy)
-        plans = [plan for plan in batch.group_cascades if plan is not None]
-        if not plans:
-            return 0
-        saved = sum(plan.shared_tokens_saved for plan in plans)
-        self.stats.cascade_steps += 1
-        self.stats.cascade_saved_tokens += saved
-        return min(round(saved / self.pages_per_block), sum(r.context_len for r in requests))
+        return round(self._count_cascades(batch) / self.pages_per_block)
 
     def _record(self, requests: list[Request]) -> None:
         super()._record(requests)
