@@ -46,9 +46,15 @@ double thread_cpu_seconds() {
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
-size_t widest_allowed() {
+// PAGEDKV_CPU_ISA, or nullptr where it is unset or empty.
+const char* isa_wanted() {
   const char* want = std::getenv("PAGEDKV_CPU_ISA");
-  if (want == nullptr || *want == '\0') return std::size(kIsas) - 1;
+  return want != nullptr && *want != '\0' ? want : nullptr;
+}
+
+size_t widest_allowed() {
+  const char* want = isa_wanted();
+  if (want == nullptr) return std::size(kIsas) - 1;
   size_t i = 0;
   while (i < std::size(kIsas) && std::strcmp(kIsas[i]->name, want) != 0) ++i;
   TORCH_CHECK_VALUE(i < std::size(kIsas), "PAGEDKV_CPU_ISA must be one of", kIsaNames,
@@ -67,21 +73,24 @@ const AttentionKernels& select_kernels(int32_t head_size) {
   return *kIsas[0];  // the baseline: any processor, any head size the glue accepts
 }
 
-// Whether PAGEDKV_CPU_ISA names a set: then its arithmetic runs as compiled (tests, benchmarks).
-bool isa_named() {
-  const char* want = std::getenv("PAGEDKV_CPU_ISA");
-  return want != nullptr && *want != '\0';
+// Rounds of kind's probe on k for about `seconds` of a thread's CPU time, from a calibration
+// run on this thread.
+int64_t probe_iters(const AttentionKernels& k, int kind, double seconds) {
+  for (int64_t iters = 1 << 12;; iters *= 4) {
+    const double t0 = thread_cpu_seconds();
+    k.peak_loop(kind, iters);
+    const double t = thread_cpu_seconds() - t0;
+    if (t > 2e-3 || iters > (int64_t{1} << 40))
+      return std::max<int64_t>(1, static_cast<int64_t>(iters * seconds / t));
+  }
 }
 
-// One thread's rate of kind's probe on k (FLOP per second of its own CPU time), over about
-// `seconds`.
-double thread_rate(const AttentionKernels& k, int kind, double seconds) {
-  for (int64_t iters = 1 << 8;; iters *= 2) {
-    const double t0 = thread_cpu_seconds();
-    const int64_t flops = k.peak_loop(kind, iters);
-    const double t = thread_cpu_seconds() - t0;
-    if (t > seconds || iters > (int64_t{1} << 40)) return static_cast<double>(flops) / t;
-  }
+// This thread's rate of `iters` rounds of kind's probe on k, in FLOP per second of its own CPU
+// time.
+double probe_rate(const AttentionKernels& k, int kind, int64_t iters) {
+  const double t0 = thread_cpu_seconds();
+  const int64_t flops = k.peak_loop(kind, iters);
+  return static_cast<double>(flops) / (thread_cpu_seconds() - t0);
 }
 
 // Whether k's bfloat16 pair arithmetic (vdpbf16ps) pays over converting to floats and FMAs,
@@ -91,10 +100,12 @@ double thread_rate(const AttentionKernels& k, int kind, double seconds) {
 // floats (docs/cpu_attention.md). Pairs unless they reach less than 0.8 of the FMAs.
 bool dot_pairs_pay(const AttentionKernels& k) {
   static const bool pay = [&k] {
+    const int64_t dot_iters = probe_iters(k, kPeakBf16Dot, 2e-3);
+    const int64_t fma_iters = probe_iters(k, kPeakFma, 2e-3);
     double dot = 0, fma = 0;
     for (int i = 0; i < 3; ++i) {
-      dot = std::max(dot, thread_rate(k, kPeakBf16Dot, 2e-3));
-      fma = std::max(fma, thread_rate(k, kPeakFma, 2e-3));
+      dot = std::max(dot, probe_rate(k, kPeakBf16Dot, dot_iters));
+      fma = std::max(fma, probe_rate(k, kPeakFma, fma_iters));
     }
     return dot >= 0.8 * fma;
   }();
@@ -103,7 +114,7 @@ bool dot_pairs_pay(const AttentionKernels& k) {
 
 // k's bfloat16 prefill: pairs where the set has them and they pay (or PAGEDKV_CPU_ISA asks).
 bool uses_pairs(const AttentionKernels& k) {
-  return k.bf16_dot && (isa_named() || dot_pairs_pay(k));
+  return k.bf16_dot && (isa_wanted() != nullptr || dot_pairs_pay(k));
 }
 
 struct Plan {
@@ -213,7 +224,7 @@ void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
     partials.lse = partial_lse.data_ptr<float>();
   }
   float* scratch_base = scratch.data_ptr<float>();
-  const auto attend = k.bf16_dot && !uses_pairs(k) ? k.attend_floats : k.attend;
+  const auto attend = uses_pairs(k) || !k.bf16_dot ? k.attend : k.attend_floats;
   run_dynamic(workers, n, [&](int64_t worker, int64_t i) {
     attend(p, plan.items[i], scratch_base + worker * per_worker, partials);
   });
@@ -252,26 +263,11 @@ double peak_gflops(const char* kind_name, double seconds) {
   }
   TORCH_CHECK_VALUE(k != nullptr, "cpu_peak_gflops: bf16 dot products need AVX512_BF16, which "
                     "this processor lacks (or PAGEDKV_CPU_ISA excludes avx512bf16)");
-  // Rounds for about `seconds`, from a calibration run on this thread.
-  int64_t iters = 1 << 12;
-  for (;;) {
-    const double t0 = thread_cpu_seconds();
-    k->peak_loop(kind, iters);
-    const double t = thread_cpu_seconds() - t0;
-    if (t > 2e-3 || iters > (int64_t{1} << 40)) {
-      iters = std::max<int64_t>(1, static_cast<int64_t>(iters * seconds / t));
-      break;
-    }
-    iters *= 4;
-  }
+  const int64_t iters = probe_iters(*k, kind, seconds);
   const int threads = at::get_num_threads();
   std::vector<double> rates(threads, 0.0);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const double t0 = thread_cpu_seconds();
-      const int64_t flops = k->peak_loop(kind, iters);
-      rates[i] = static_cast<double>(flops) / (thread_cpu_seconds() - t0) / 1e9;
-    }
+    for (int64_t i = begin; i < end; ++i) rates[i] = probe_rate(*k, kind, iters) / 1e9;
   });
   double total = 0;
   for (double r : rates) total += r;
