@@ -41,6 +41,20 @@ def test_out_of_blocks_is_all_or_nothing():
     assert snapshot(allocator) == before
 
 
+def test_reserve_raises_exactly_when_allocate_would():
+    allocator = BlockAllocator(6, name="cpu")
+    a, b = allocator.allocate(2)
+    allocator.free([a])
+    allocator.mark_cached(b)
+    allocator.free([b])  # evictable: it counts as available
+    before = snapshot(allocator)
+    for n in range(7):
+        allocator.reserve(n)
+    with pytest.raises(OutOfBlocksError, match="out of cpu blocks: asked for 7, 6 available"):
+        allocator.reserve(7)
+    assert snapshot(allocator) == before
+
+
 def test_double_free_changes_nothing():
     allocator = BlockAllocator(4)
     a, b = allocator.allocate(2)

@@ -86,6 +86,11 @@ class BlockAllocator:
         """Whether ``allocate(num_blocks)`` would succeed."""
         return num_blocks <= len(self._free) + len(self._evictable)
 
+    def reserve(self, num_blocks: int) -> None:
+        """Raise OutOfBlocksError unless ``allocate(num_blocks)`` would succeed."""
+        if num_blocks > len(self._free) + len(self._evictable):
+            raise OutOfBlocksError(num_blocks, self.num_available_blocks, self.name)
+
     def allocate(self, num_blocks: int = 1) -> list[int]:
         """Take ``num_blocks`` blocks (reference count 1 each), all or nothing.
 

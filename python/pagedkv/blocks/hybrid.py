@@ -33,7 +33,6 @@ from pagedkv.blocks.groups import (
 from pagedkv.blocks.manager import BlockManager
 from pagedkv.blocks.prefix import BlockKey, PrefixCache, chain
 from pagedkv.blocks.sequences import SeqState
-from pagedkv.errors import OutOfBlocksError
 
 __all__ = ["HybridBlockManager"]
 
@@ -117,8 +116,7 @@ class HybridBlockManager(BlockManager):
                      destination: bool = False) -> list[list[int]]:
         """Reference the blocks of ``tables`` and allocate the rest, all or nothing."""
         needed = self._needed(tables, num_blocks)
-        if not self.allocator.can_allocate(needed):
-            raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
+        self.allocator.reserve(needed)
         for table in tables:
             for block in live_blocks(table):
                 self.allocator.incref(block)
@@ -200,8 +198,7 @@ class HybridBlockManager(BlockManager):
         tokens = checks.token_ids([token_ids] if type(token_ids) is int else token_ids)
         computed = self._computed(seq, num_computed)
         releases, starts, cows, news, short = self._growth(seq, len(tokens), computed)
-        if not self.allocator.can_allocate(short):
-            raise OutOfBlocksError(short, self.allocator.num_available_blocks)
+        self.allocator.reserve(short)
         state = seq.groups
         for g, blocks in enumerate(releases):
             if blocks:

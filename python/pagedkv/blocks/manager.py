@@ -15,7 +15,6 @@ from pagedkv.blocks.groups import check_group, check_groups
 from pagedkv.blocks.plan import CachePlan, PendingPlan, Phase
 from pagedkv.blocks.prefix import BlockKey, PrefixCache
 from pagedkv.blocks.sequences import SeqState, SequenceRegistry
-from pagedkv.errors import OutOfBlocksError
 
 __all__ = ["BlockManager"]
 
@@ -157,9 +156,7 @@ class BlockManager:
 
     def _take(self, hits: list[int], num_blocks: int, destination: bool = False) -> list[int]:
         """Reference ``hits`` and allocate the rest of a ``num_blocks`` table, all or nothing."""
-        needed = self._num_needed(hits, num_blocks)
-        if not self.allocator.can_allocate(needed):
-            raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
+        self.allocator.reserve(self._num_needed(hits, num_blocks))
         for block in hits:
             self.allocator.incref(block)
         return hits + self._plan.allocate(num_blocks - len(hits), destination)
@@ -247,9 +244,7 @@ class BlockManager:
         return pairs
 
     def _make_room(self, seq: SeqState, num_tokens: int) -> list[tuple[int, int]]:
-        needed = self._blocks_to_append(seq, num_tokens)
-        if not self.allocator.can_allocate(needed):
-            raise OutOfBlocksError(needed, self.allocator.num_available_blocks)
+        self.allocator.reserve(self._blocks_to_append(seq, num_tokens))
         pairs = []
         if len(seq.token_ids) % self.block_size and self._last_block_shared(seq):
             pairs.append(self._copy_on_write(seq))
@@ -305,9 +300,8 @@ class BlockManager:
     def can_swap_in(self, seq_id: Hashable) -> bool:
         """Whether the device pool has room for the swapped-out sequence."""
         seq = self._sequences.swapped(seq_id)
-        needed = self._num_needed(self._hits(seq.token_ids, seq.extra, False)[0],
-                                  len(seq.block_table))
-        return self.allocator.can_allocate(needed)
+        hits, _ = self._hits(seq.token_ids, seq.extra, prompt=False)
+        return self.allocator.can_allocate(self._num_needed(hits, len(seq.block_table)))
 
     def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Bring a swapped-out sequence back to the device. Returns the (CPU, device) pairs queued.
@@ -317,10 +311,9 @@ class BlockManager:
         seq = self._sequences.swapped(seq_id)
         hits, keys = self._hits(seq.token_ids, seq.extra, prompt=False)
         table = self._take(hits, len(seq.block_table), destination=True)
-        num_hits = len(hits)
-        pairs = list(zip(seq.block_table[num_hits:], table[num_hits:], strict=True))
+        pairs = list(zip(seq.block_table[len(hits):], table[len(hits):], strict=True))
         self._plan.swap_in(pairs)  # the sequence's CPU references now belong to the plan
-        self.cpu_allocator.free(seq.block_table[:num_hits])
+        self.cpu_allocator.free(seq.block_table[:len(hits)])
         seq.block_table, seq.swapped, seq.block_keys = table, False, keys
         self._register_full_blocks(seq)
         self._take_row(seq)
