@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import pytest
 import torch
 
 from pagedkv import ops
@@ -115,6 +116,25 @@ def make_args(case: Case, device: torch.device | str = "cpu") -> dict:
 
 def to_device(args: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def auto_picks_tensor_cores(case: Case) -> bool:
+    """Whether automatic dispatch runs a case (aligned caches) on the tensor-core kernel: 16-bit
+    queries and at least 8 (query token, query head) rows per kv head (docs/cuda_attention.md)."""
+    rows = max(case.q_lens or (1,)) * (case.num_heads // case.num_kv_heads)
+    return case.dtype != torch.float32 and rows >= 8
+
+
+def skip_what_auto_runs(backend, case: Case) -> None:
+    """On a -tc backend (the tensor-core kernel forced), skip a case whose run would repeat the
+    automatic backend's: float32 queries (the CUDA-core kernel either way) and cases that
+    dispatch sends to the tensor-core kernel already."""
+    if backend.attention_kernel != "tensor_core":
+        return
+    if case.dtype == torch.float32:
+        pytest.skip("float32 queries run on the CUDA-core kernel: the automatic backend's run")
+    if auto_picks_tensor_cores(case):
+        pytest.skip("automatic dispatch runs this case on the tensor-core kernel already")
 
 
 def call(op, args: dict) -> None:

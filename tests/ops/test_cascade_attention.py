@@ -10,7 +10,16 @@ import random
 import numpy as np
 import pytest
 import torch
-from attention_cases import Case, call, check, make_args, make_caches, max_err, to_device
+from attention_cases import (
+    Case,
+    call,
+    check,
+    make_args,
+    make_caches,
+    max_err,
+    skip_what_auto_runs,
+    to_device,
+)
 
 from pagedkv.blocks.cascade import CascadeGroup, CascadePolicy, plan_cascade
 from pagedkv.errors import InvalidArgumentError
@@ -23,6 +32,7 @@ def backend(attention_backend):
 
 
 def run(backend, case: Case) -> dict:
+    skip_what_auto_runs(backend, case)  # a -tc backend runs what automatic dispatch does not
     args = make_args(case, backend.device)
     call(backend.ops.paged_attention, args)
     check(args)

@@ -12,10 +12,12 @@ from attention_cases import (
     FP8_DTYPES,
     OP_ARGS,
     Case,
+    auto_picks_tensor_cores,
     call,
     check,
     make_args,
     max_err,
+    skip_what_auto_runs,
     to_device,
 )
 
@@ -49,19 +51,8 @@ def backend(attention_backend):
     return attention_backend
 
 
-def auto_picks_tensor_cores(case: Case) -> bool:
-    """Whether automatic dispatch runs a case (aligned caches) on the tensor-core kernel: 16-bit
-    queries and at least 8 (query token, query head) rows per kv head (docs/cuda_attention.md)."""
-    rows = max(case.q_lens or (1,)) * (case.num_heads // case.num_kv_heads)
-    return case.dtype != torch.float32 and rows >= 8
-
-
 def run(backend, case: Case, **extra) -> dict:
-    if backend.attention_kernel == "tensor_core":  # a -tc backend: what auto does not run so
-        if case.dtype == torch.float32:
-            pytest.skip("float32 queries run on the CUDA-core kernel: the automatic backend's run")
-        if auto_picks_tensor_cores(case):
-            pytest.skip("automatic dispatch runs this case on the tensor-core kernel already")
+    skip_what_auto_runs(backend, case)
     args = make_args(case.with_(extra=extra) if extra else case, backend.device)
     call(backend.ops.paged_attention, args)
     check(args)
