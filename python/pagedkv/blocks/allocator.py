@@ -88,7 +88,7 @@ class BlockAllocator:
 
     def reserve(self, num_blocks: int) -> None:
         """Raise OutOfBlocksError unless ``allocate(num_blocks)`` would succeed."""
-        if num_blocks > len(self._free) + len(self._evictable):
+        if not self.can_allocate(num_blocks):
             raise OutOfBlocksError(num_blocks, self.num_available_blocks, self.name)
 
     def allocate(self, num_blocks: int = 1) -> list[int]:

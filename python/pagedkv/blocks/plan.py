@@ -177,8 +177,9 @@ class PendingPlan:
         cpu = self.cpu
         reused = [self._swap_ins.get(block) for block in table]
         needed = reused.count(None)
-        if cpu is None or not cpu.can_allocate(needed):
-            raise OutOfBlocksError(needed, cpu.num_available_blocks if cpu else 0, "cpu")
+        if cpu is None:
+            raise OutOfBlocksError(needed, 0, "cpu")
+        cpu.reserve(needed)
         fresh = iter(self._allocate_cpu(needed))
         cpu_table, pairs = [], []
         for block, cpu_block in zip(table, reused, strict=True):
