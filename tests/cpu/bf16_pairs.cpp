@@ -191,23 +191,41 @@ struct Batch {
     return v * scale;
   }
 
+  // Sequence s's keys and values of kv head kv as doubles, row after row (the reference reads
+  // each element many times: once here through the block table and the format), and the
+  // value scales of its rows (int8 / int4).
+  struct Rows {
+    std::vector<double> k, v, v_scale;
+  };
+  Rows rows_of(int s, int kv) const {
+    const int L = c.seq_lens[s], D = c.head_size, Dv = c.dv();
+    Rows r;
+    r.k.resize(size_t(L) * D);
+    r.v.resize(size_t(L) * Dv);
+    for (int pos = 0; pos < L; ++pos) {
+      for (int d = 0; d < D; ++d) r.k[size_t(pos) * D + d] = k(s, kv, pos, d);
+      for (int d = 0; d < Dv; ++d) r.v[size_t(pos) * Dv + d] = v(s, kv, pos, d);
+      if (c.format != DType::kBFloat16) r.v_scale.push_back(value_scales[row_of(s, kv, pos)]);
+    }
+    return r;
+  }
+
   // The integer path (kIntDots) rounds the query row to int16 in steps of |q|_inf / 32767,
   // which moves every logit by at most delta = half a step times max |k|_1, and so an output by
   // at most delta sum_t p_t |v_t - out| <= 2 delta B; and it rounds p_t v_scale_t to int16 in
   // steps of its chunk's largest / 32767, which moves an output by at most half a step times
   // sum_t |v_t| / v_scale_t (the stored integers) per chunk: bounded with the row's largest
   // p_t v_scale_t for every chunk.
-  void int_bounds(int s, int token, int h, int lo, int qp, const std::vector<double>& p, double l) {
-    const int D = c.head_size, Dv = c.dv(), H = c.heads, kv = h / (c.heads / c.kv_heads);
+  void int_bounds(const Rows& r, const double* q, int token, int h, int lo, int qp,
+                  const std::vector<double>& p, double l) {
+    const int D = c.head_size, Dv = c.dv(), H = c.heads;
     double q_max = 0, k_l1 = 0, pv_max = 0;
-    for (int d = 0; d < D; ++d)
-      q_max = std::max(q_max, std::fabs(double(from_bf16(query[(size_t(token) * H + h) * D + d]))));
-    const auto v_scale = [&](int kp) { return double(value_scales[row_of(s, kv, kp)]); };
+    for (int d = 0; d < D; ++d) q_max = std::max(q_max, std::fabs(q[d]));
     for (int kp = lo; kp <= qp; ++kp) {
       double row = 0;
-      for (int d = 0; d < D; ++d) row += std::fabs(k(s, kv, kp, d));
+      for (int d = 0; d < D; ++d) row += std::fabs(r.k[size_t(kp) * D + d]);
       k_l1 = std::max(k_l1, row);
-      pv_max = std::max(pv_max, p[kp - lo] / l * v_scale(kp));
+      pv_max = std::max(pv_max, p[kp - lo] / l * r.v_scale[kp]);
     }
     const double delta = q_max / std::sqrt(double(D)) / 32767 / 2 * k_l1;
     const double* b = &bound[(size_t(token) * H + h) * Dv];
@@ -215,8 +233,8 @@ struct Batch {
     for (int d = 0; d < Dv; ++d) {
       double stored = 0;  // sum_t |v_t[d]| / v_scale_t
       for (int kp = lo; kp <= qp; ++kp) {
-        const double vs = v_scale(kp);
-        if (vs > 0) stored += std::fabs(v(s, kv, kp, d)) / vs;
+        const double vs = r.v_scale[kp];
+        if (vs > 0) stored += std::fabs(r.v[size_t(kp) * Dv + d]) / vs;
       }
       e[d] = 2 * delta * b[d] * (1 + delta) + pv_max / 65534 * stored;
     }
@@ -229,39 +247,43 @@ struct Batch {
     bound.assign(ref.size(), 0.0);
     int_bound.assign(ref.size(), 0.0);
     ref_lse.assign(size_t(num_tokens) * H, 0.0);
-    for (size_t s = 0; s < c.seq_lens.size(); ++s) {
+    std::vector<double> q(D);
+    for (int s = 0; s < static_cast<int>(c.seq_lens.size()); ++s) {
       const int L = c.seq_lens[s], Q = c.q_lens[s];
-      for (int i = 0; i < Q; ++i) {
-        const int qp = L - Q + i, token = query_start[s] + i;
-        const int lo = c.window > 0 ? std::max(0, qp - c.window + 1) : 0;
-        for (int h = 0; h < H; ++h) {
-          const int kv = h / group;
-          std::vector<double> logit(qp + 1 - lo);
-          double mx = -std::numeric_limits<double>::infinity();
-          for (int kp = lo; kp <= qp; ++kp) {
-            double x = 0;
-            for (int d = 0; d < D; ++d)
-              x += double(from_bf16(query[(size_t(token) * H + h) * D + d])) * k(s, kv, kp, d);
-            x *= scale;
-            if (c.soft_cap > 0.f) x = c.soft_cap * std::tanh(x / c.soft_cap);
-            if (c.alibi) x += double(slopes[h]) * (kp - qp);
-            logit[kp - lo] = x;
-            mx = std::max(mx, x);
-          }
-          double l = 0;
-          for (double& x : logit) l += (x = std::exp(x - mx));
-          double* o = &ref[(size_t(token) * H + h) * Dv];
-          double* b = &bound[(size_t(token) * H + h) * Dv];
-          for (int kp = lo; kp <= qp; ++kp) {
-            const double pr = logit[kp - lo] / l;
-            for (int d = 0; d < Dv; ++d) {
-              const double vv = v(s, kv, kp, d);
-              o[d] += pr * vv;
-              b[d] += pr * std::fabs(vv);
+      for (int kv = 0; kv < c.kv_heads; ++kv) {
+        const Rows r = rows_of(s, kv);
+        for (int i = 0; i < Q; ++i) {
+          const int qp = L - Q + i, token = query_start[s] + i;
+          const int lo = c.window > 0 ? std::max(0, qp - c.window + 1) : 0;
+          for (int h = kv * group; h < (kv + 1) * group; ++h) {
+            for (int d = 0; d < D; ++d) q[d] = from_bf16(query[(size_t(token) * H + h) * D + d]);
+            std::vector<double> logit(qp + 1 - lo);
+            double mx = -std::numeric_limits<double>::infinity();
+            for (int kp = lo; kp <= qp; ++kp) {
+              const double* kr = &r.k[size_t(kp) * D];
+              double x = 0;
+              for (int d = 0; d < D; ++d) x += q[d] * kr[d];
+              x *= scale;
+              if (c.soft_cap > 0.f) x = c.soft_cap * std::tanh(x / c.soft_cap);
+              if (c.alibi) x += double(slopes[h]) * (kp - qp);
+              logit[kp - lo] = x;
+              mx = std::max(mx, x);
             }
+            double l = 0;
+            for (double& x : logit) l += (x = std::exp(x - mx));
+            double* o = &ref[(size_t(token) * H + h) * Dv];
+            double* b = &bound[(size_t(token) * H + h) * Dv];
+            for (int kp = lo; kp <= qp; ++kp) {
+              const double pr = logit[kp - lo] / l;
+              const double* vr = &r.v[size_t(kp) * Dv];
+              for (int d = 0; d < Dv; ++d) {
+                o[d] += pr * vr[d];
+                b[d] += pr * std::fabs(vr[d]);
+              }
+            }
+            if (c.format != DType::kBFloat16) int_bounds(r, q.data(), token, h, lo, qp, logit, l);
+            ref_lse[size_t(token) * H + h] = mx + std::log(l);
           }
-          if (c.format != DType::kBFloat16) int_bounds(s, token, h, lo, qp, logit, l);
-          ref_lse[size_t(token) * H + h] = mx + std::log(l);
         }
       }
     }
