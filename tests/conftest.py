@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,8 +30,7 @@ from typing import Any
 # per core, each worker's spinning threads took the core from the other worker's running test:
 # `PAGEDKV_TEST_BACKENDS=cpu,simt-forward pytest -n 2 tests/ops` took 189 s spinning, 43 s
 # sleeping (2 cores). The threads and the work they are given stay as they were.
-if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
