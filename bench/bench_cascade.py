@@ -181,8 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         cases += [(g, p, 128) for g in (2, 4, 8, 16, 32) for p in (256, 512, 1024, 2048)]
     rows = [run(*c, device, reps) for c in cases]
+    prefill = ""
+    if device.type == "cpu":  # which arithmetic the prefix level (bf16 prefill items) took
+        prefill = (", bf16 prefill on AMX tiles" if ops.cpu_amx_tiles(HEAD_SIZE)
+                   else ", bf16 prefill on vdpbf16ps" if ops.cpu_bf16_dot_products(HEAD_SIZE)
+                   else ", bf16 prefill on float FMAs")
     print(f"cascade vs plain paged_attention, decode, bf16 {HEADS}q/{KV_HEADS}kv head "
-          f"{HEAD_SIZE} block {BLOCK}, {device}, median of {reps}")
+          f"{HEAD_SIZE} block {BLOCK}, {device}, median of {reps}{prefill}")
     print(f"{'G':>4} {'prefix':>7} {'own':>5} {'plain ms':>9} {'cascade ms':>10} "
           f"{'speedup':>8} {'plain GB/s':>10} {'of probe':>8} {'max|diff|':>9}")
     for r in rows:

@@ -22,6 +22,11 @@ TORCH_LIBRARY(pagedkv, m) {
                 head_size);
     return pagedkv::cpu::bf16_dot_products(static_cast<int32_t>(head_size));
   });
+  // Whether bfloat16 prefill on the CPU takes AMX tiles (tdpbf16ps) for this head size.
+  m.def("cpu_amx_tiles(int head_size=128) -> bool", [](int64_t head_size) {
+    TORCH_CHECK(head_size > 0, "cpu_amx_tiles: head_size must be positive, got ", head_size);
+    return pagedkv::cpu::amx_tiles(static_cast<int32_t>(head_size));
+  });
   // The CPU's measured peak rate (GFLOP/s on every thread of ATen's pool) of float FMAs ("fp32")
   // or bfloat16 dot products ("bf16", AVX512_BF16 only), with the kernels' own instructions.
   m.def("cpu_peak_gflops(str kind='fp32', float seconds=0.05) -> float",

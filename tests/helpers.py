@@ -112,6 +112,27 @@ def use_cpu_isa(monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
     monkeypatch.setenv("PAGEDKV_CPU_ISA", isa)
 
 
+AMX_FLAGS = {"amx_tile", "amx_bf16"}  # the AMX prefill of the avx512bf16 kernels
+
+
+def use_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs bfloat16 prefill on AMX tiles (PAGEDKV_CPU_AMX=1); skips where this processor lacks
+    AMX-BF16 or Linux does not grant its tile state."""
+    from pagedkv import ops
+
+    missing = AMX_FLAGS | CPU_ISAS["avx512bf16"]
+    missing = missing - cpu_flags() if platform.machine() == "x86_64" else {"x86-64"}
+    if missing:
+        pytest.skip(f"this processor has no AMX-BF16 (lacks {' '.join(sorted(missing))}): the "
+                    "AMX prefill is compiled but cannot run here")
+    monkeypatch.delenv("PAGEDKV_CPU_ISA", raising=False)
+    monkeypatch.setenv("PAGEDKV_CPU_AMX", "1")
+    try:
+        ops.cpu_amx_tiles(128)
+    except ValueError as e:
+        pytest.skip(f"AMX-BF16 present but not usable here: {e}")
+
+
 def use_sanitized_simt() -> None:
     """Under PAGEDKV_SIMT_SANITIZE, makes ``pagedkv._simt`` the sanitized build that setup.py
     wrote to build/simt-<mode>/pagedkv (the in-place module stays as it is). Must run before

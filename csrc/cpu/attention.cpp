@@ -8,6 +8,13 @@
 
 #include <time.h>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDKV_AMX_PROBE 1
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -117,6 +124,38 @@ bool uses_pairs(const AttentionKernels& k) {
   return k.bf16_dot && (isa_wanted() != nullptr || dot_pairs_pay(k));
 }
 
+// Whether this process may run AMX-BF16 tiles: CPUID's AMX-TILE and AMX-BF16 bits, and Linux's
+// grant of the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per
+// process: it covers every thread, those made later included).
+bool amx_usable() {
+  static const bool usable = [] {
+#ifdef PAGEDKV_AMX_PROBE
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return tile && bf16 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return usable;
+}
+
+// k's bfloat16 prefill on AMX tiles: where PAGEDKV_CPU_AMX=1 asks and k has them (a processor
+// without them is an error); unset or 0, never. Opt-in until the kernel has run on a processor
+// with AMX: it was written and checked on emulated tiles (tests/cpu/amx_emulation.h).
+bool uses_amx(const AttentionKernels& k) {
+  const char* want = std::getenv("PAGEDKV_CPU_AMX");
+  const bool set = want != nullptr && *want != '\0';
+  TORCH_CHECK_VALUE(!set || std::strcmp(want, "0") == 0 || std::strcmp(want, "1") == 0,
+                    "PAGEDKV_CPU_AMX must be 0 or 1 (or unset), got '", want, "'");
+  if (!set || *want == '0') return false;
+  TORCH_CHECK_VALUE(amx_usable(), "PAGEDKV_CPU_AMX=1: this processor has no AMX-BF16 tiles "
+                    "(amx_tile, amx_bf16), or Linux does not grant their state");
+  return k.attend_amx != nullptr;
+}
+
 struct Plan {
   std::vector<WorkItem> items;
   std::vector<SplitGroup> splits;
@@ -208,6 +247,7 @@ void run_dynamic(int64_t workers, int64_t n, F&& f) {
 void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   if (p.num_tokens == 0 || p.num_heads == 0) return;
   const AttentionKernels& k = select_kernels(std::gcd(p.head_size, p.head_size_v));
+  const bool amx = uses_amx(k), pairs = uses_pairs(k) || !k.bf16_dot;
   const int threads = at::get_num_threads();
   const Plan plan = plan_work(p, threads);
   const int64_t n = static_cast<int64_t>(plan.items.size());
@@ -224,7 +264,8 @@ void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
     partials.lse = partial_lse.data_ptr<float>();
   }
   float* scratch_base = scratch.data_ptr<float>();
-  const auto attend = uses_pairs(k) || !k.bf16_dot ? k.attend : k.attend_floats;
+  const auto attend = amx ? (pairs ? k.attend_amx : k.attend_amx_floats)
+                          : (pairs ? k.attend : k.attend_floats);
   run_dynamic(workers, n, [&](int64_t worker, int64_t i) {
     attend(p, plan.items[i], scratch_base + worker * per_worker, partials);
   });
@@ -249,6 +290,10 @@ void merge_attn_states(const MergeAttnParams& p, const at::Tensor&) {
 const char* attention_kernel_name(int32_t head_size) { return select_kernels(head_size).name; }
 
 bool bf16_dot_products(int32_t head_size) { return uses_pairs(select_kernels(head_size)); }
+
+bool amx_tiles(int32_t head_size) {
+  return head_size % 32 == 0 && uses_amx(select_kernels(head_size));
+}
 
 double peak_gflops(const char* kind_name, double seconds) {
   const bool fp32 = std::strcmp(kind_name, "fp32") == 0;

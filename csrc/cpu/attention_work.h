@@ -47,6 +47,10 @@ constexpr int kPrefillRowAlign = 48;
 constexpr int kPrefillRows = 96;
 constexpr int kPrefillKeys = 32;  // keys per tile of the prefill path (half past 256-byte rows)
 
+// Keys per tile of the AMX prefill (cpu/attention_amx.inc): 128, or 64 for rows over 512 bytes.
+constexpr int kAmxMaxKeys = 128;
+constexpr int amx_keys(int64_t head_size) { return head_size <= 256 ? kAmxMaxKeys : 64; }
+
 // Floats of per-thread scratch for items of at most max_rows rows (either path); head_size is
 // the wider of K's and V's.
 inline int64_t scratch_floats(int64_t max_rows, int64_t head_size) {
@@ -55,7 +59,12 @@ inline int64_t scratch_floats(int64_t max_rows, int64_t head_size) {
   // the decode path's int16 queries and probabilities (kIntDots): rows x (head_size + keys)
   // int16 and two scales a row
   const int64_t int_queries = rows * ((head_size + keys) / 2 + 2) + 128;
-  return rows * (2 * head_size + 2 * keys + 6) + 2 * keys * head_size + 64 + int_queries;
+  const int64_t vector_path =
+      rows * (2 * head_size + 2 * keys + 6) + 2 * keys * head_size + 64 + int_queries;
+  // the AMX prefill: Q^T pairs, O^T, S^T, P^T pairs, N K rows, V^T pairs and six row vectors
+  const int64_t n = amx_keys(head_size);
+  const int64_t amx = rows * (head_size / 2 + head_size + n + n / 2 + 6) + n * head_size + 64;
+  return std::max(vector_path, amx);
 }
 
 // The instruction sets the kernels are compiled for, narrowest first. Each is one translation
@@ -80,6 +89,12 @@ struct AttentionKernels {
   // the floating-point operations done.
   int64_t (*peak_loop)(int kind, int64_t iters);
   bool bf16_dot;  // bfloat16 caches take vdpbf16ps (AVX512_BF16) in the prefill path
+  // attend and attend_floats with bfloat16 prefill on AMX tiles (tdpbf16ps) where an item fits
+  // (cpu/attention_amx.inc); null for the sets without them. Call only where amx_usable().
+  void (*attend_amx)(const PagedAttentionParams& p, const WorkItem& item, float* scratch,
+                     const Partials& partials);
+  void (*attend_amx_floats)(const PagedAttentionParams& p, const WorkItem& item, float* scratch,
+                            const Partials& partials);
 };
 
 constexpr int kPeakFma = 0, kPeakBf16Dot = 1;
@@ -102,5 +117,10 @@ bool bf16_dot_products(int32_t head_size);
 // the threads of each one's operations per second of its own CPU time (time slices taken by
 // other processes do not count); seconds: about how long each thread runs.
 double peak_gflops(const char* kind, double seconds);
+
+// Whether bfloat16 prefill takes AMX tiles for this head size (a multiple of 32): the
+// avx512bf16 kernels where PAGEDKV_CPU_AMX=1 asks (an error on a processor without AMX-BF16 or
+// whose tile state Linux does not grant); unset or 0, never.
+bool amx_tiles(int32_t head_size);
 
 }  // namespace pagedkv::cpu

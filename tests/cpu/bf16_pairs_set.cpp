@@ -31,6 +31,10 @@
 #define PKV_PAIRS_ISA_avx512bf16 3
 #define PKV_ISA PKV_CAT(PKV_PAIRS_ISA_, PKV_PAIRS_SET)
 
+#if PKV_ISA == 3
+#include "amx_emulation.h"  // the AMX prefill on software tiles, in the pair-path namespace
+#endif
+
 #pragma GCC push_options
 #if PKV_ISA == 1
 #pragma GCC target("avx2,fma,f16c")
@@ -58,6 +62,18 @@ namespace pagedkv::cpu::PKV_CAT(PKV_PAIRS_SET, _pairs) {
 
 namespace pagedkv::cpu {
 
+#if PKV_ISA == 3
+namespace {
+// The AMX prefill (emulated tiles) for the items it takes, the pair path for the others.
+void amx_path(const PagedAttentionParams& p, const WorkItem& w, float* scratch,
+              const Partials& partials) {
+  namespace q = PKV_CAT(PKV_PAIRS_SET, _pairs);
+  if (q::amx_fits(p, w)) return q::attend_prefill_amx(p, w, scratch, partials);
+  q::attend_item<q::bf16_t>(p, w, scratch, partials);
+}
+}  // namespace
+#endif
+
 // attend_item of the cache types the test runs, not attend: the others' instantiations would
 // take most of the compile (setup.py compiles them all, -Wextra).
 PairSet PKV_CAT(pairs_set_, PKV_PAIRS_SET)() {
@@ -65,7 +81,12 @@ PairSet PKV_CAT(pairs_set_, PKV_PAIRS_SET)() {
   namespace p = PKV_CAT(PKV_PAIRS_SET, _pairs);
   return {&f::attend_item<f::bf16_t>, &p::attend_item<p::bf16_t>, f::W,
           &f::attend_item<int8_t>, &f::attend_item<f::i4x2_t>,
-          &p::attend_item<int8_t>, &p::attend_item<p::i4x2_t>};
+          &p::attend_item<int8_t>, &p::attend_item<p::i4x2_t>,
+#if PKV_ISA == 3
+          &amx_path};
+#else
+          nullptr};
+#endif
 }
 
 }  // namespace pagedkv::cpu

@@ -13,6 +13,7 @@ struct PairSet {
   int lanes;  // float lanes of the set's vectors
   Attend int8_path, int4_path;  // the float path over int8 / int4 caches with row scales
   Attend int8_int_path, int4_int_path;  // the same with the integer dot products (kIntDots)
+  Attend amx_path;  // avx512bf16: the AMX prefill on emulated tiles where it fits; else null
 };
 
 PairSet pairs_set_base();

@@ -24,7 +24,15 @@ from attention_cases import (
 from pagedkv import ops
 from pagedkv.ops import reference as ops_reference
 
-from helpers import CPU_ISAS, cpu_has, expected_cpu_kernel, use_cpu_isa
+from helpers import (
+    AMX_FLAGS,
+    CPU_ISAS,
+    cpu_flags,
+    cpu_has,
+    expected_cpu_kernel,
+    use_amx,
+    use_cpu_isa,
+)
 
 HEAD_SIZES = [64, 80, 96, 112, 128, 192, 256, 8, 24]
 BLOCK_SIZES = [1, 3, 16, 256]
@@ -428,6 +436,72 @@ def test_cpu_prefill_instruction_sets(backend, isa, monkeypatch):
     # Odd key counts in the last tile (bf16 pairs: a key pair of one key), windows, ALiBi, cap.
     run(backend, Case(seq_lens=(259, 31), q_lens=(77, 31), num_heads=16, num_kv_heads=4,
                       head_size=96, dtype=torch.bfloat16, **FEATURES["all"]))
+
+
+AMX_CASES = {
+    # GQA 4 and 8, odd lengths, tiles of 16 and 32 rows left over, block tables shuffled
+    "gqa": dict(seq_lens=(233, 64, 129, 5), q_lens=(113, 64, 3, 5), num_heads=32,
+                num_kv_heads=8, head_size=128),
+    "gqa8": dict(seq_lens=(403, 131), q_lens=(131, 9), num_heads=32, num_kv_heads=4,
+                 head_size=128),
+    # key tiles of 128 keys cut anywhere by the causal diagonal and the block size
+    "blocks": dict(seq_lens=(300, 161), q_lens=(77, 161), num_heads=16, num_kv_heads=2,
+                   head_size=64, block_size=5),
+    "features": dict(seq_lens=(259, 31, 200), q_lens=(77, 31, 200), num_heads=16,
+                     num_kv_heads=4, head_size=96, **FEATURES["all"]),
+    "sinks": dict(seq_lens=(180, 45), q_lens=(60, 45), num_heads=8, num_kv_heads=1,
+                  head_size=64, **FEATURES["window-sinks"]),
+    # 512-byte rows: 128-key tiles; wider: 64-key tiles
+    "head256": dict(seq_lens=(150, 70), q_lens=(40, 70), num_heads=8, num_kv_heads=2,
+                    head_size=256, block_size=32),
+    "head512": dict(seq_lens=(150, 9), q_lens=(33, 9), num_heads=4, num_kv_heads=1,
+                    head_size=512),
+    # every query over all keys (the cascade's prefix level), a long key range split
+    "non-causal": dict(seq_lens=(64, 1500), q_lens=(70, 33), num_heads=32, num_kv_heads=8,
+                       head_size=128, extra=dict(causal=False)),
+}
+
+
+@pytest.mark.parametrize("case", AMX_CASES)
+def test_cpu_amx_prefill(backend, case, monkeypatch):
+    """bfloat16 prefill on AMX tiles (PAGEDKV_CPU_AMX=1) against the float64 reference; head
+    sizes that are no multiple of 32 (80) take the vector path with the tiles asked for."""
+    if backend.name != "cpu":
+        pytest.skip("CPU kernels only")
+    use_amx(monkeypatch)
+    assert ops.cpu_amx_tiles(128) and ops.cpu_amx_tiles(64) and not ops.cpu_amx_tiles(80)
+    run(backend, Case(dtype=torch.bfloat16, **AMX_CASES[case]))
+    if case == "features":
+        run(backend, Case(dtype=torch.bfloat16, **dict(AMX_CASES[case], head_size=80)))
+
+
+def test_cpu_amx_switch(backend, monkeypatch):
+    """PAGEDKV_CPU_AMX: unset or 0, the tiles are off (opt-in); a value other than 0 or 1 is
+    refused; 1 on a processor without AMX-BF16 is an error naming it, and with a set named that
+    has no tiles, off. Errors come before any write."""
+    if backend.name != "cpu":
+        pytest.skip("CPU kernels only")
+    monkeypatch.delenv("PAGEDKV_CPU_ISA", raising=False)
+    monkeypatch.delenv("PAGEDKV_CPU_AMX", raising=False)
+    has = AMX_FLAGS | CPU_ISAS["avx512bf16"] <= cpu_flags()
+    assert not ops.cpu_amx_tiles(128)
+    if has:
+        monkeypatch.setenv("PAGEDKV_CPU_AMX", "1")
+        monkeypatch.setenv("PAGEDKV_CPU_ISA", "avx512")
+        assert not ops.cpu_amx_tiles(128)
+        monkeypatch.delenv("PAGEDKV_CPU_ISA")
+    monkeypatch.setenv("PAGEDKV_CPU_AMX", "0")
+    assert not ops.cpu_amx_tiles(128)
+    args = make_args(Case(seq_lens=(5, 20), q_lens=(2, 3)), backend.device)
+    args["out"].fill_(float("nan"))
+    for value, want in (("yes", "PAGEDKV_CPU_AMX must be 0 or 1"),
+                        ("1", "PAGEDKV_CPU_AMX=1: this processor has no AMX-BF16")):
+        monkeypatch.setenv("PAGEDKV_CPU_AMX", value)
+        if value == "1" and has:
+            continue  # (test_cpu_amx_prefill runs them)
+        with pytest.raises(ValueError, match=want):
+            call(backend.ops.paged_attention, args)
+        assert args["out"].isnan().all()
 
 
 def test_cpu_peak_probe(backend, monkeypatch):

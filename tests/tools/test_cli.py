@@ -66,7 +66,9 @@ def test_info_names_the_cpu_kernel(capsys, monkeypatch):
         monkeypatch.delenv("PAGEDKV_CPU_ISA")
     code, out, _ = run(capsys, "info")
     assert code == 0 and f"CPU attention  {expected_cpu_kernel(128)} kernels" in out
-    assert ("bf16 dot products (AVX512_BF16)" in out) == data["cpu_bf16_dot_products"]
+    amx = data["cpu_amx_tiles"]
+    assert amx == ops.cpu_amx_tiles() and ("AMX tiles (AMX-BF16)" in out) == amx
+    assert ("bf16 dot products (AVX512_BF16)" in out) == (pairs and not amx)
     assert ops.cpu_attention_kernel(8) == expected_cpu_kernel(8)  # 8 lanes: never avx512
     monkeypatch.setenv("PAGEDKV_CPU_ISA", "base")  # read by the C++ dispatch at every call
     assert run_json(capsys, "info")["cpu_attention_kernel"] == "base"

@@ -24,6 +24,7 @@ __all__ = [
     "concat_and_cache_mla",
     "copy_blocks",
     "cpu_attention_kernel",
+    "cpu_amx_tiles",
     "cpu_bf16_dot_products",
     "cpu_peak_gflops",
     "gather_cache",
@@ -392,6 +393,18 @@ def cpu_bf16_dot_products(head_size: int = 128) -> bool:
     Rapids KVM guest measured 0.59 of it, and bf16 prefill ran 1.5x faster on floats there.
     """
     return torch.ops.pagedkv.cpu_bf16_dot_products(head_size)
+
+
+def cpu_amx_tiles(head_size: int = 128) -> bool:
+    """Whether bfloat16 prefill on the CPU (varlen items of many rows, MLA's items, the cascade's
+    prefix level) runs on AMX tiles (``tdpbf16ps``) for ``head_size`` (a multiple of 32).
+
+    Only the avx512bf16 kernels have them, on processors with AMX-BF16 (Sapphire Rapids and
+    later) whose tile state Linux grants the process, and only where ``PAGEDKV_CPU_AMX=1`` asks
+    (``ValueError`` on a processor without); unset or ``0``, never: the kernel is opt-in until
+    it has run on such a processor (it was checked on emulated tiles, docs/cpu_attention.md).
+    """
+    return torch.ops.pagedkv.cpu_amx_tiles(head_size)
 
 
 def cpu_peak_gflops(kind: str = "fp32", seconds: float = 0.05) -> float:

@@ -110,7 +110,9 @@ def _info_data() -> dict[str, object]:
             "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "cpu_attention_kernel": kernel,
             # bfloat16 prefill on vdpbf16ps: the avx512bf16 kernels, where they pay (csrc/cpu)
-            "cpu_bf16_dot_products": ops.cpu_bf16_dot_products()}
+            "cpu_bf16_dot_products": ops.cpu_bf16_dot_products(),
+            # ... or on AMX tiles (tdpbf16ps), where the processor has them
+            "cpu_amx_tiles": ops.cpu_amx_tiles()}
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -126,7 +128,8 @@ def _info(args: argparse.Namespace) -> int:
         f"GPU            {d['gpu'] or 'none'}",
         f"CPU threads    {d['cpu_threads']} (torch) of {d['cpu_count']} CPUs",
         f"CPU attention  {d['cpu_attention_kernel']} kernels (head size 128); bf16 prefill: "
-        + ("bf16 dot products (AVX512_BF16)" if d["cpu_bf16_dot_products"]
+        + ("AMX tiles (AMX-BF16)" if d["cpu_amx_tiles"]
+           else "bf16 dot products (AVX512_BF16)" if d["cpu_bf16_dot_products"]
            else "float FMAs (bf16 dot products measured slower)"
            if d["cpu_attention_kernel"] == "avx512bf16" else "float FMAs (no AVX512_BF16)"),
     ])
