@@ -111,7 +111,7 @@ def _info_data() -> dict[str, object]:
             "cpu_attention_kernel": kernel,
             # bfloat16 prefill on vdpbf16ps: the avx512bf16 kernels, where they pay (csrc/cpu)
             "cpu_bf16_dot_products": ops.cpu_bf16_dot_products(),
-            # ... or on AMX tiles (tdpbf16ps), where the processor has them
+            # ... or on AMX tiles (tdpbf16ps), where PAGEDKV_CPU_AMX=1 asks (opt-in)
             "cpu_amx_tiles": ops.cpu_amx_tiles()}
 
 
