@@ -382,6 +382,67 @@ constexpr bool kIntPairOrder = PKV_ISA == 3;
   return (vi)l;
 #endif
 }
+// int4 rows in registers (kIntDots, head sizes a multiple of 4W): nibbles sign-extended to
+// int16 by shifts, with no int8 copy of the row.
+//
+// For S: 4W bytes of a K row (8W elements) as 2W int16 words, word m holding elements 4m to
+// 4m + 3 (a nibble each, element 4m in the low one): i4_nibbles<i> gives element 4m + i in
+// word m, a vector of W int16 pairs for dot_i16. The query is permuted to match (permute_i4).
+// load_i4_words_half reads 2W bytes into the low W words, the others 0.
+[[gnu::always_inline]] inline vs16 load_i4_words(const i4x2_t* p) { return load_raw<vs16>(p); }
+[[gnu::always_inline]] inline vs16 load_i4_words_half(const i4x2_t* p) {
+#if PKV_ISA >= 2
+  return (vs16)_mm512_zextsi256_si512(load_raw<__m256i>(p));
+#elif PKV_ISA == 1
+  return (vs16)_mm256_zextsi128_si256(load_raw<__m128i>(p));
+#else
+  vs16 w = {};
+  std::memcpy(&w, p, 2 * W);
+  return w;
+#endif
+}
+template <int I>
+[[gnu::always_inline]] inline vi i4_nibbles(vs16 w) {
+  if constexpr (I == 3) {
+    return (vi)(w >> 12);
+  } else {
+    return (vi)((vs16)(w << (12 - 4 * I)) >> 12);
+  }
+}
+
+// Columns [c, c + 4W) of two int4 rows a and b (2W bytes each, from byte c / 2) as int16 pairs
+// (a's element, b's), one column a lane, in four vectors: vector j's lane l holds column
+// c + i4_pair_column(j, l) (the order of in-lane byte interleaves, restored by unpair_i4).
+constexpr int i4_pair_column(int j, int l) {
+  return 2 * ((j >= 2 ? 8 : 0) + (l < 8 ? l : l + 8)) + (j & 1);
+}
+[[gnu::always_inline]] inline void load_v_pairs_i4(const i4x2_t* a, const i4x2_t* b, vi* out) {
+  // bytes (a's, b's) of a column pair, sign-extended to int16: the low nibble by << 12 >> 12,
+  // the high one by >> 4
+  vs16 lo, hi;
+#if PKV_ISA == 3
+  const __m256i x = load_raw<__m256i>(a), y = load_raw<__m256i>(b);
+  lo = (vs16)_mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(x, y));
+  hi = (vs16)_mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(x, y));
+#elif PKV_ISA == 1
+  const __m128i x = load_raw<__m128i>(a), y = load_raw<__m128i>(b);
+  lo = (vs16)_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y));
+  hi = (vs16)_mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x, y));
+#else
+  for (int l = 0; l < W; ++l) {
+    const int byte_lo = i4_pair_column(0, l) / 2, byte_hi = i4_pair_column(2, l) / 2;
+    lo[2 * l] = static_cast<int8_t>(a[byte_lo].bits);
+    lo[2 * l + 1] = static_cast<int8_t>(b[byte_lo].bits);
+    hi[2 * l] = static_cast<int8_t>(a[byte_hi].bits);
+    hi[2 * l + 1] = static_cast<int8_t>(b[byte_hi].bits);
+  }
+#endif
+  out[0] = (vi)((vs16)(lo << 12) >> 12);
+  out[1] = (vi)(lo >> 4);
+  out[2] = (vi)((vs16)(hi << 12) >> 12);
+  out[3] = (vi)(hi >> 4);
+}
+
 // Rounds W floats (|x| < 2^22) to the nearest integer, ties to even, as int32.
 [[gnu::always_inline]] inline vi round_int(vf x) {
   const vf magic = splat(12582912.f);  // 1.5 * 2^23

@@ -56,9 +56,9 @@ constexpr int amx_keys(int64_t head_size) { return head_size <= 256 ? kAmxMaxKey
 inline int64_t scratch_floats(int64_t max_rows, int64_t head_size) {
   const int64_t rows = (max_rows + kPrefillRowAlign - 1) / kPrefillRowAlign * kPrefillRowAlign;
   const int64_t keys = std::max(kKeysPerChunk, kPrefillKeys);
-  // the decode path's int16 queries and probabilities (kIntDots): rows x (head_size + keys)
-  // int16 and two scales a row
-  const int64_t int_queries = rows * ((head_size + keys) / 2 + 2) + 128;
+  // the decode path's int16 queries and probabilities (kIntDots): rows x (head_size + 64 +
+  // keys) int16 (64: the padding of int4 rows' permuted queries, 4W) and two scales a row
+  const int64_t int_queries = rows * ((head_size + 64 + keys) / 2 + 2) + 128;
   const int64_t vector_path =
       rows * (2 * head_size + 2 * keys + 6) + 2 * keys * head_size + 64 + int_queries;
   // the AMX prefill: Q^T pairs, O^T, S^T, P^T pairs, N K rows, V^T pairs and six row vectors
