@@ -14,9 +14,11 @@
 // cache); outputs poisoned with NaN before the run. Cases with int8 and int4 caches (rows of
 // bf16 numbers quantized with a scale per (token, head), as reshape_and_cache writes them) run
 // the float path against the reference over their dequantized values, decode and prefill items,
-// and the integer path (PKV_INT_DOTS=1: decode's S and P V on int16 queries and probabilities,
-// vpdpwssd in avx512bf16, vpmaddwd in avx2, portable vectors elsewhere), under the same bounds:
-// its roundings of q and p (a relative 2^-16 of a row's largest element) are far inside them.
+// and the integer and pair paths (PKV_INT_DOTS=1: decode's S and P V on int16 queries and
+// probabilities, vpdpwssd in avx512bf16, vpmaddwd in avx2, portable vectors elsewhere; with
+// PKV_DOT_PAIRS=1, prefill on bfloat16 pairs of the rows' integers, the scales on S and P)
+// under the pair path's bound, plus what decode's roundings of q and p (a relative 2^-16 of a
+// row's largest element) may add.
 //
 // Bound per output element (row r, column d), with p_t the reference probabilities and
 // B = sum_t p_t |v_t[d]|: the float path is within 2^-8 |ref| (rounding the output to bfloat16)
@@ -436,11 +438,12 @@ int main(int argc, char** argv) {
       continue;
     }
     const Batch batch(c, rng);
-    if (c.format != DType::kBFloat16) {  // the float path reads them (no pairs of int rows)
+    if (c.format != DType::kBFloat16) {
       const bool int8 = c.format == DType::kInt8;
       bad += check(batch, int8 ? kernels.int8_path : kernels.int4_path, false,
                    (std::string(c.name) + ", float").c_str());
-      bad += check(batch, int8 ? kernels.int8_int_path : kernels.int4_int_path, false,
+      // (prefill items on pairs: P rounded to bfloat16, the pair path's bound)
+      bad += check(batch, int8 ? kernels.int8_int_path : kernels.int4_int_path, true,
                    (std::string(c.name) + ", int").c_str(), true);
       continue;
     }
