@@ -75,7 +75,8 @@ class Decode:
         return 64 if self.head_size <= 64 else 128 if self.head_size <= 128 else 256
 
 
-UNITS = ("attention_bf16", "attention_tc_bf16")  # compiled when the module has no CUDA code
+# compiled when the module has no CUDA code
+UNITS = ("attention_bf16", "attention_tc_bf16", "attention_tc_scaled_bf16")
 
 
 def module_path() -> Path:
@@ -152,8 +153,12 @@ def tensor_core_rows(kernels, usage) -> list[dict]:
     rows = []
     for (arch, query, cache, head, kind), k in sorted(tc.tc_kernels(kernels).items()):
         if query == "bf16" and cache in CACHES:
-            rows.append({"arch": arch, "kind": kind, "cache": cache, "head": head,
-                         "kernel": k.demangled, **_tile_row(k, usage)})
+            row = {"arch": arch, "kind": kind, "cache": cache, "head": head,
+                   "kernel": k.demangled}
+            try:
+                rows.append(row | _tile_row(k, usage))
+            except ValueError as e:  # no main loop found (sm_80 int8 / int4, head 256)
+                rows.append(row | {"skipped": str(e)})
     for (arch, query, cache, rank, tile_rows), k in sorted(tc.mla_kernels(kernels).items()):
         if query == "bf16" and cache in CACHES and rank == 512:
             row = {"arch": arch, "kind": f"mla {tile_rows}", "cache": cache, "head": rank + 64,
@@ -187,12 +192,13 @@ def _tile_row(kernel, usage) -> dict:
 
 def tensor_core_estimates(kernels, devices) -> list[dict]:
     """The standard chunked prefill and GQA-8, 16 and 32 decode (head 128, 64 query heads) per
-    device, bf16 and fp8 caches, and FlashAttention-2's loop on the prefill. A decode group of 32
-    has 32 rows per kv head: dispatch runs it on the prefill configuration (64-row tiles)."""
+    device, bf16, fp8, int8 and int4 caches (the last two with their row scales), and
+    FlashAttention-2's loop on the prefill. A decode group of 32 has 32 rows per kv head:
+    dispatch runs it on the prefill configuration (64-row tiles)."""
     found, rows = tc.tc_kernels(kernels), []
     for device in devices:
         for cache in CACHES:
-            size = 2 if cache == "bf16" else 1
+            size = ELEMENT[cache] + (4 / 128 if cache in ROW_SCALED else 0)
             for kind, shape in (("prefill", tc.Prefill(cache_bytes=size)),
                                 ("decode", tc.Decode(cache_bytes=size)),
                                 ("decode", tc.Decode(num_kv_heads=4, cache_bytes=size)),

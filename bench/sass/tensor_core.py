@@ -42,7 +42,9 @@ MMA_SYNC_SHARE = {"sm_80": 1.0, "sm_90": 2 / 3}  # of the dense bf16 peak, see a
 SHARED_BYTES_PER_SM_CLOCK = 128  # 32 banks of 4 bytes (CUDA C++ Programming Guide)
 
 _TYPES = {"__nv_bfloat16": "bf16", "__half": "f16", "pagedkv::fp8_e4m3": "fp8_e4m3",
-          "pagedkv::fp8_e5m2": "fp8_e5m2"}
+          "pagedkv::fp8_e5m2": "fp8_e5m2", "pagedkv::RowScaled<signed char>": "int8",
+          "pagedkv::RowScaled<pagedkv::int4x2>": "int4",
+          "pagedkv::RowScaled<pagedkv::fp8_e4m3>": "fp8_e4m3/row"}
 _TC = re.compile(r"paged_attention_tc_kernel<([^,]+), ([^,]+), (\d+), (\d+), (\d+), (\d+)>")
 _MLA = re.compile(r"mla_attention_tc_kernel<([^,]+), ([^,]+), (\d+), (\d+)>")
 
@@ -162,7 +164,8 @@ class Prefill:
     num_heads: int = 32
     num_kv_heads: int = 8
     head_size: int = 128
-    cache_bytes: int = 2  # per element: 2 for 16-bit caches, 1 for fp8
+    cache_bytes: float = 2  # per element: 2 for 16-bit caches, 1 for fp8 and int8, 0.5 int4
+    # (with a row's scale spread over its elements: + 4 / head_size)
 
     def passes(self, g: TileGeometry) -> int:
         """Passes of the key-tile loops (warps x key tiles over every block): each block runs
@@ -220,7 +223,7 @@ class Decode:
     num_heads: int = 64
     num_kv_heads: int = 8
     head_size: int = 128
-    cache_bytes: int = 2
+    cache_bytes: float = 2
 
     def passes(self, g: TileGeometry) -> int:
         return self._blocks(g) * math.ceil(self.seq_len / g.keys) * g.warps

@@ -32,6 +32,9 @@ namespace attn_tc {
 template <typename T>
 cudaError_t paged_attention_tc_typed(const PagedAttentionParams& p, const AttentionPlan& plan,
                                      cudaStream_t stream);
+template <typename T>
+cudaError_t paged_attention_tc_row_scaled_typed(const PagedAttentionParams& p,
+                                                const AttentionPlan& plan, cudaStream_t stream);
 
 }  // namespace attn_tc
 namespace attn_mla {
@@ -56,16 +59,25 @@ cudaError_t paged_attention_of(const PagedAttentionParams& p, const AttentionLau
   }
 }
 
-// Caches quantized per (token, head) run on the CUDA-core kernel only (attention_tc_supported
-// excludes them), its instantiations of csrc/*/attention_row_scaled.*.
+// Caches quantized per (token, head): the CUDA-core kernel's instantiations of
+// csrc/*/attention_row_scaled.* (one per format, any query dtype), the tensor-core kernel's of
+// csrc/*/attention_tc_scaled_*.* (16-bit queries; int8, int4, fp8 e4m3).
 cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionLaunch& launch,
                             cudaStream_t stream) {
   if (p.num_tokens == 0 || p.num_seqs == 0) return cudaSuccess;
   if (p.key_scales.data != nullptr) {
-    if (launch.kernel != AttentionKernel::kCudaCore) return cudaErrorInvalidValue;
-    return with_token_scaled_type(p.cache_dtype, [&]<typename C>() {
-      return attn::paged_attention_row_scaled_typed<C>(p, launch.plan, stream);
-    });
+    if (launch.kernel == AttentionKernel::kCudaCore) {
+      return with_token_scaled_type(p.cache_dtype, [&]<typename C>() {
+        return attn::paged_attention_row_scaled_typed<C>(p, launch.plan, stream);
+      });
+    }
+    switch (p.dtype) {
+      case DType::kFloat16:
+        return attn_tc::paged_attention_tc_row_scaled_typed<__half>(p, launch.plan, stream);
+      case DType::kBFloat16:
+        return attn_tc::paged_attention_tc_row_scaled_typed<__nv_bfloat16>(p, launch.plan, stream);
+      default: return cudaErrorInvalidValue;
+    }
   }
   switch (p.dtype) {
     case DType::kFloat32: return paged_attention_of<float>(p, launch, stream);

@@ -1,5 +1,6 @@
 // Paged attention on tensor cores, FlashAttention-2 style: mma.sync m16n8k16 (fp32 accumulate)
-// for float16 / bfloat16 queries and caches of the same dtype, sm_80+. The host side (dispatch
+// for float16 / bfloat16 queries and caches of the same dtype, fp8 with per-tensor scales, or
+// int8 / int4 / fp8 e4m3 with a scale per (token, head) row, sm_80+. The host side (dispatch
 // rule, plan) is attention_tc_launch.h; docs/cuda_attention.md describes both kernels.
 //
 // A thread block computes a tile of BM = 16 * WM rows of one (sequence, kv head, context
@@ -21,6 +22,11 @@
 // fp32 for the lse (as exact as the CUDA-core kernel's) and of P as rounded, by one more MMA (P
 // x ones), to normalize the output, which is then a convex combination of the V rows with the
 // weights the MMA used.
+//
+// Caches quantized per (token, head) (C = RowScaled<E>): the codes are staged as T exactly, a
+// key's K scale multiplies its column of S (fp32, before anything else touches the score) and
+// its V scale its column of P before P is rounded to T; the output is normalized by the fp32
+// row sum of P (the lse's), the MMA's sum of P as rounded holding V scales.
 //
 // Split-K: with several partitions each block writes its normalized partial output and lse to
 // the workspace and paged_attention_reduce_kernel (attention_merge.cuh) merges them, as for the
@@ -51,8 +57,9 @@ using attn::OutRow;
 using attn::safe_max;
 
 // grid: (row_tiles * num_parts, num_seqs, num_kv_heads), block: TcConfig::kThreads,
-// dynamic smem: TcConfig::kBytes. T: the query and out dtype (16-bit); C: the cache's, T or an
-// fp8 type (dequantized to T while staged); p.head_size <= HEAD.
+// dynamic smem: TcConfig::kBytes. T: the query and out dtype (16-bit); C: the cache's, T, an
+// fp8 type (dequantized to T while staged) or RowScaled<E> (E int8_t, int4x2 or fp8_e4m3, per-row
+// scales); p.head_size <= HEAD.
 template <typename T, typename C, int HEAD, int WM, int WN, int BN>
 __global__ void __launch_bounds__(32 * WM * WN, 1)
     paged_attention_tc_kernel(const PagedAttentionParams p, const AttentionPlan plan) {
@@ -63,7 +70,9 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   constexpr int kStride = Cfg::kStride;
   constexpr int KW = Cfg::kWarpKeys;
   PAGEDKV_DYNAMIC_SMEM(T, tc_smem);
+  constexpr bool kRowScaled = cache_elem<C>::kRowScaled;
   __shared__ RowOffsets row_off[2][BN];  // 16-bit caches: K/V row offsets of two tiles
+  __shared__ __align__(16) float tc_scale[kRowScaled ? 4 * BN : 1];  // row-scaled: [2][K, V][BN]
   T* q_smem = tc_smem;                     // [kBM][kStride]
   T* k_smem = q_smem + Cfg::kQElems;       // [2][BN][kStride]
   T* v_smem = k_smem + 2 * Cfg::kKVElems;  // [2][BN][kStride]
@@ -77,7 +86,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   const int warp = tid / 32, lane = tid % 32;
   const int warp_m = warp % WM, warp_n = warp / WM;
   const int head_size = p.head_size;
-  constexpr bool kFp8 = is_fp8<C>::value;
+  constexpr bool kFp8 = is_fp8<C>::value;  // per-tensor scales (RowScaled<fp8> is not)
   float qk_scale = p.scale;
   float v_scale = 1.f;
   if constexpr (kFp8) {
@@ -87,7 +96,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
 
   stage_query<T, Cfg::kBM, Cfg::kChunks, kStride, Cfg::kThreads>(p, tile, head_size, q_smem);
 
-  TcCopy<T, C, Cfg, BN> copy(p, tile, k_smem, row_off);
+  TcCopy<T, C, Cfg, BN> copy(p, tile, k_smem, row_off, tc_scale);
 
   // This thread's two rows of the warp's 16 (lane / 4 and lane / 4 + 8): query position (-1:
   // no row, everything masked) and ALiBi slope.
@@ -140,6 +149,9 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   auto tile_math = [&]<bool kMasked>(int buf, int key0) {
     const T* ks = k_smem + buf * Cfg::kKVElems + warp_n * KW * kStride;
     const T* vs = v_smem + buf * Cfg::kKVElems + warp_n * KW * kStride;
+    // Row-scaled: this lane's keys' scales, at column 2 * (lane % 4) of each n8 tile.
+    [[maybe_unused]] const float* k_sc = tc_scale + 2 * buf * BN + warp_n * KW + 2 * (lane % 4);
+    [[maybe_unused]] const float* v_sc = k_sc + BN;
     // S = Q K^T: [16][KW] per warp (dims past head_size are zeros in Q and K).
     float s[KW / 8][4];
 #pragma unroll
@@ -160,6 +172,14 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
         const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
         tc::mma_m16n8k16<T>(s[j], a, b0, s[j]);
         tc::mma_m16n8k16<T>(s[j + 1], a, b1, s[j + 1]);
+      }
+    }
+
+    if constexpr (kRowScaled) {  // the keys' K scales, first
+#pragma unroll
+      for (int j = 0; j < KW / 8; ++j) {
+        const float2 ks = *reinterpret_cast<const float2*>(k_sc + j * 8);
+        s[j][0] *= ks.x, s[j][1] *= ks.y, s[j][2] *= ks.x, s[j][3] *= ks.y;
       }
     }
 
@@ -211,8 +231,14 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       for (int j = 0; j < KW / 8; ++j) {
         const float e0 = attn::fast_exp2(fmaf(s[j][2 * h], mul, -base));
         const float e1 = attn::fast_exp2(fmaf(s[j][2 * h + 1], mul, -base));
-        const T p0 = from_float<T>(e0), p1 = from_float<T>(e1);
         l[h] += e0 + e1;
+        T p0, p1;
+        if constexpr (kRowScaled) {  // times the keys' V scales
+          const float2 vsc = *reinterpret_cast<const float2*>(v_sc + j * 8);
+          p0 = from_float<T>(e0 * vsc.x), p1 = from_float<T>(e1 * vsc.y);
+        } else {
+          p0 = from_float<T>(e0), p1 = from_float<T>(e1);
+        }
         // A fragment of k16 step j / 2: a0 (row, keys 0..7) a1 (row + 8, keys 0..7),
         // a2 (row, keys 8..15), a3 (row + 8, keys 8..15).
         pa[j / 2][(j % 2) * 2 + h] = pack2<T>(p0, p1);
@@ -222,7 +248,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
     // O += P V (dims past head_size: zero V columns, never written).
 #pragma unroll
     for (int kk = 0; kk < KW / 16; ++kk) {
-      tc::mma_m16n8k16<T>(lr, pa[kk], ones, lr);
+      if constexpr (!kRowScaled) tc::mma_m16n8k16<T>(lr, pa[kk], ones, lr);
 #pragma unroll
       for (int d = 0; d < HEAD / 8; d += 2) {
         uint32_t b[4];
@@ -278,6 +304,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
     l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
+    if constexpr (kRowScaled) lr[2 * h] = l[h];  // P as rounded holds the V scales
   }
 
   if constexpr (WN == 1) {
@@ -387,6 +414,22 @@ cudaError_t paged_attention_tc_typed(const PagedAttentionParams& p, const Attent
   });
 }
 
+// Caches quantized per (token, head) that the kernel reads (attention_tc_supported): int8, int4
+// and fp8 e4m3.
+template <typename T>
+cudaError_t paged_attention_tc_row_scaled_typed(const PagedAttentionParams& p,
+                                                const AttentionPlan& plan, cudaStream_t stream) {
+  return with_token_scaled_type(p.cache_dtype, [&]<typename E>() {
+    if constexpr (std::is_same_v<E, fp8_e5m2>) {
+      return cudaErrorInvalidValue;
+    } else {
+      return with_padded_head<kMaxTcAttentionHeadSize>(p.head_size, [&]<int HEAD>() {
+        return paged_attention_tc_head<T, RowScaled<E>, HEAD>(p, plan, stream);
+      });
+    }
+  });
+}
+
 }  // namespace attn_tc
 }  // namespace PAGEDKV_KERNEL_NS
 }  // namespace pagedkv
@@ -396,4 +439,13 @@ cudaError_t paged_attention_tc_typed(const PagedAttentionParams& p, const Attent
   namespace pagedkv::PAGEDKV_KERNEL_NS::attn_tc {                                               \
   template cudaError_t paged_attention_tc_typed<T>(const PagedAttentionParams&,                 \
                                                    const AttentionPlan&, cudaStream_t);         \
+  }
+
+// Explicit instantiation of the tensor-core kernels of query dtype T over caches quantized per
+// (token, head).
+#define PAGEDKV_INSTANTIATE_ATTENTION_TC_ROW_SCALED(T)                                           \
+  namespace pagedkv::PAGEDKV_KERNEL_NS::attn_tc {                                               \
+  template cudaError_t paged_attention_tc_row_scaled_typed<T>(const PagedAttentionParams&,      \
+                                                              const AttentionPlan&,             \
+                                                              cudaStream_t);                    \
   }

@@ -41,16 +41,19 @@ inline int64_t attention_tc_rows(const PagedAttentionParams& p) {
 }
 
 // Whether the tensor-core kernel can run the call at all: 16-bit queries with a cache of the
-// same dtype or fp8 of per-tensor scales, cache rows aligned for 16-byte cp.async (8-byte loads
-// for fp8: `vectorized`), a padded head size it has (up to 256), and a device with mma.sync
-// m16n8k16 for the dtype (sm_80+; sm_major < 0: the simt emulator). Everything else (float32
-// queries, unaligned rows, caches quantized per (token, head): int8, int4, fp8 with key_scales)
-// runs on the CUDA-core kernel, whatever PAGEDKV_ATTENTION_KERNEL asks.
+// same dtype, fp8 of per-tensor scales, or int8, int4 or fp8 e4m3 quantized per (token, head);
+// cache rows aligned for 16-byte cp.async (8-byte loads for fp8 and int8, 4-byte for int4:
+// `vectorized`), a padded head size it has (up to 256), and a device with mma.sync m16n8k16 for
+// the dtype (sm_80+; sm_major < 0: the simt emulator). Everything else (float32 queries,
+// unaligned rows, fp8 e5m2 with key_scales) runs on the CUDA-core kernel, whatever
+// PAGEDKV_ATTENTION_KERNEL asks.
 inline bool attention_tc_supported(const PagedAttentionParams& p, bool vectorized, int sm_major) {
   const bool dtype = p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16;
-  const bool cache = (p.cache_dtype == p.dtype || p.cache_dtype == DType::kFp8E4M3 ||
-                      p.cache_dtype == DType::kFp8E5M2) &&
-                     p.key_scales.data == nullptr;
+  const bool cache = p.key_scales.data == nullptr
+                         ? p.cache_dtype == p.dtype || p.cache_dtype == DType::kFp8E4M3 ||
+                               p.cache_dtype == DType::kFp8E5M2
+                         : p.cache_dtype == DType::kInt8 || p.cache_dtype == DType::kInt4 ||
+                               p.cache_dtype == DType::kFp8E4M3;
   return dtype && cache && vectorized &&
          attention_padded_head(p.head_size, kMaxTcAttentionHeadSize) != 0 &&
          (sm_major < 0 || sm_major >= 8);

@@ -7,7 +7,10 @@
 // entry read once per key and tile, not per chunk; MagicDiv, no division in the loop); fp8
 // caches by 8-byte loads into registers one tile ahead (fetch), dequantized into shared memory
 // after the current tile's math (store), or for head 256, which has no registers for a tile in
-// flight, both at the tile's start (load_store).
+// flight, both at the tile's start (load_store). Caches quantized per (token, head)
+// (RowScaled<E>: int8, int4, fp8) take the fp8 route (int4: 4-byte loads), their codes staged
+// as T exactly, and thread t < BN carries key t's K and V scales along into shared memory,
+// which the kernel applies to S's columns and P's.
 #pragma once
 #include "kernels/compat.cuh"
 #include "kernels/attention_tile.cuh"
@@ -91,6 +94,55 @@ __device__ __forceinline__ uint4 dequantize8(uint2 raw) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// An integer code x (|x| <= 127) given as x + bias, 0 <= x + bias < 2^8, as float, exactly: 2^23
+// + (x + bias) is a float whose low mantissa bits are x + bias.
+template <int kBias>
+__device__ __forceinline__ float code_float(uint32_t biased) {
+  return __uint_as_float(0x4B000000u | biased) - static_cast<float>((1 << 23) + kBias);
+}
+
+// 8 int8 codes (raw, little-endian) -> 8 T, exactly; their scale is applied to S and P. Byte
+// k of a word, biased, becomes the low byte of 2^23's bits by one byte permute (PRMT).
+template <typename T>
+__device__ __forceinline__ uint4 dequantize8_int8(uint2 raw) {
+  constexpr float kBase = static_cast<float>((1 << 23) + 128);
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t word = (i < 2 ? raw.x : raw.y) ^ 0x80808080u;  // x + 128 per byte
+    const uint32_t k = 2 * (i % 2);
+    const float lo = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u + k)) - kBase;
+    const float hi = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7441u + k)) - kBase;
+    w[i] = pack2<T>(from_float<T>(lo), from_float<T>(hi));
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// 8 int4 codes (4 bytes, element 2i in byte i's low nibble) -> 8 T, exactly.
+template <typename T>
+__device__ __forceinline__ uint4 dequantize8_int4(uint32_t raw) {
+  const uint32_t biased = raw ^ 0x88888888u;  // x + 8 per nibble
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = pack2<T>(from_float<T>(code_float<8>((biased >> (8 * i)) & 0xfu)),
+                    from_float<T>(code_float<8>((biased >> (8 * i + 4)) & 0xfu)));
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// 8 elements of a quantized cache (E: fp8, int8; int4 in raw.x) as T, exactly.
+template <typename T, typename E>
+__device__ __forceinline__ uint4 dequantize_chunk(uint2 raw) {
+  if constexpr (std::is_same_v<E, int8_t>) {
+    return dequantize8_int8<T>(raw);
+  } else if constexpr (std::is_same_v<E, int4x2>) {
+    return dequantize8_int4<T>(raw.x);
+  } else {
+    return dequantize8<T, E>(raw);
+  }
+}
+
 // The tile's queries -> shared memory, rows of kStride elements: row r is the query of tile row
 // r (tile.token, tile.head), its first `width` elements (16-byte loads where the query allows);
 // rows past tile.rows and elements past `width`, up to kChunks * 8, zeros.
@@ -120,25 +172,37 @@ __device__ __forceinline__ void stage_query(const PagedAttentionParams& p,
   }
 }
 
-// The K/V copies of one thread (see the top of the file). Buffers: tile index % 2.
+// The K/V copies of one thread (see the top of the file). Buffers: tile index % 2. C: the
+// cache's element type, or RowScaled<E> (its rows' scales go to `scales`).
 template <typename T, typename C, typename Cfg, int BN>
 struct TcCopy {
+  using E = typename cache_elem<C>::type;  // what the cache holds
+  static constexpr bool kRowScaled = cache_elem<C>::kRowScaled;
   static constexpr int kPasses = BN / Cfg::kRowsPerPass;
   static constexpr int kR = Cfg::kRowsPerPass;
-  static constexpr bool kFp8 = is_fp8<C>::value;
-  static constexpr bool kPrefetch = kFp8 && Cfg::kHead <= 128;
+  static constexpr bool kFp8 = is_fp8<E>::value;
+  static constexpr bool kRegs = kFp8 || kRowScaled;  // staged through registers, dequantized
+  static constexpr bool kPrefetch = kRegs && Cfg::kHead <= 128;
+  // load_store's passes unrolled: all of them, but 4 at a time for row-scaled caches (ptxas,
+  // sm_90, head 256 prefill: int8 spills fully unrolled, per-tensor fp8 4 at a time).
+  static constexpr int kLoadStoreUnroll = kRowScaled ? 4 : kPasses;
   T* kd;  // this thread's chunk of its first row in K buffer 0; V's, Cfg::kKVElems * 2 further
   RowOffsets (*row_off)[BN];
-  attn::KVRows<C, attn::MagicDiv> kv;
+  float* scales;  // row-scaled: [buffer][0: K, 1: V][BN] in shared memory (kernel: tc_scale)
+  attn::KVRows<E, attn::MagicDiv> kv;
+  attn::RowScales row_scales;
   int tid, my_row, part_end;
   bool chunk_in;
   uint2 k_next[kPrefetch ? kPasses : 1], v_next[kPrefetch ? kPasses : 1];
+  float ks_next = 0.f, vs_next = 0.f;  // key tid's scales of the tile in flight
 
   __device__ __forceinline__ TcCopy(const PagedAttentionParams& p, const attn::AttentionTile& tile,
-                                    T* k_smem, RowOffsets (*offsets)[BN])
+                                    T* k_smem, RowOffsets (*offsets)[BN], float* scale_smem)
       : kd(k_smem + (threadIdx.x / Cfg::kChunks) * Cfg::kStride + (threadIdx.x % Cfg::kChunks) * 8),
         row_off(offsets),
+        scales(scale_smem),
         kv(p, tile.seq, tile.kv_head, (threadIdx.x % Cfg::kChunks) * 8),
+        row_scales(p, tile.kv_head),
         tid(threadIdx.x),
         my_row(threadIdx.x / Cfg::kChunks),
         part_end(tile.part_end),
@@ -150,14 +214,39 @@ struct TcCopy {
   __device__ __forceinline__ T* v_dst(int buf, int pass) const {
     return k_dst(buf, pass) + 2 * Cfg::kKVElems;
   }
-  // fp8: this thread's K and V chunks of key t (zeros past the partition or the head).
+  // Quantized caches: this thread's K and V chunks of key t (zeros past the partition or the
+  // head): 8 bytes, or 4 of int4 (in .x).
   __device__ __forceinline__ void load(int t, uint2& k, uint2& v) const {
     k = v = make_uint2(0, 0);
     if (t < part_end && chunk_in) {
       uint32_t blk, off;
       kv.locate(t, blk, off);
-      k = load_ro(reinterpret_cast<const uint2*>(kv.k_row(kv.k_offset(blk, off))), "kv");
-      v = load_ro(reinterpret_cast<const uint2*>(kv.v_row(kv.v_offset(blk, off))), "kv");
+      const E* ks = kv.k_row(kv.k_offset(blk, off));
+      const E* vs = kv.v_row(kv.v_offset(blk, off));
+      if constexpr (std::is_same_v<E, int4x2>) {
+        k.x = load_ro(reinterpret_cast<const uint32_t*>(ks), "kv");
+        v.x = load_ro(reinterpret_cast<const uint32_t*>(vs), "kv");
+      } else {
+        k = load_ro(reinterpret_cast<const uint2*>(ks), "kv");
+        v = load_ro(reinterpret_cast<const uint2*>(vs), "kv");
+      }
+    }
+  }
+  // Row-scaled caches: key key0 + tid's K and V scales (0 past the partition), threads < BN.
+  __device__ __forceinline__ void load_scales(int key0, float& ks, float& vs) const {
+    ks = vs = 0.f;
+    const int t = key0 + tid;
+    if (tid < BN && t < part_end) {
+      uint32_t blk, off;
+      kv.locate(t, blk, off);
+      ks = row_scales.key(blk, off);
+      vs = row_scales.value(blk, off);
+    }
+  }
+  __device__ __forceinline__ void store_scales(int buf, float ks, float vs) const {
+    if (tid < BN) {
+      scales[(2 * buf) * BN + tid] = ks;
+      scales[(2 * buf + 1) * BN + tid] = vs;
     }
   }
   __device__ __forceinline__ void fetch(int key0) {
@@ -165,21 +254,28 @@ struct TcCopy {
     for (int pass = 0; pass < kPasses; ++pass) {
       load(key0 + my_row + pass * kR, k_next[pass], v_next[pass]);
     }
+    if constexpr (kRowScaled) load_scales(key0, ks_next, vs_next);
   }
   __device__ __forceinline__ void store(int buf) const {
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      *reinterpret_cast<uint4*>(k_dst(buf, pass)) = dequantize8<T, C>(k_next[pass]);
-      *reinterpret_cast<uint4*>(v_dst(buf, pass)) = dequantize8<T, C>(v_next[pass]);
+      *reinterpret_cast<uint4*>(k_dst(buf, pass)) = dequantize_chunk<T, E>(k_next[pass]);
+      *reinterpret_cast<uint4*>(v_dst(buf, pass)) = dequantize_chunk<T, E>(v_next[pass]);
     }
+    if constexpr (kRowScaled) store_scales(buf, ks_next, vs_next);
   }
   __device__ __forceinline__ void load_store(int buf, int key0) const {  // one pass at a time
-#pragma unroll
+#pragma unroll(kLoadStoreUnroll)
     for (int pass = 0; pass < kPasses; ++pass) {
       uint2 k, v;
       load(key0 + my_row + pass * kR, k, v);
-      *reinterpret_cast<uint4*>(k_dst(buf, pass)) = dequantize8<T, C>(k);
-      *reinterpret_cast<uint4*>(v_dst(buf, pass)) = dequantize8<T, C>(v);
+      *reinterpret_cast<uint4*>(k_dst(buf, pass)) = dequantize_chunk<T, E>(k);
+      *reinterpret_cast<uint4*>(v_dst(buf, pass)) = dequantize_chunk<T, E>(v);
+    }
+    if constexpr (kRowScaled) {
+      float ks, vs;
+      load_scales(key0, ks, vs);
+      store_scales(buf, ks, vs);
     }
   }
   // 16-bit caches: the K and V row offsets of keys key0 .. key0 + BN - 1, one key per thread.
@@ -204,8 +300,8 @@ struct TcCopy {
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int bytes = pass * kR < left ? 16 : 0;
-      const C* ks = kv.k_row(x[pass].k);
-      const C* vs = kv.v_row(x[pass].v);
+      const E* ks = kv.k_row(x[pass].k);
+      const E* vs = kv.v_row(x[pass].v);
       note_read(ks, bytes, "kv");
       tc::cp_async_16(k_dst(buf, pass), ks, bytes);
       note_read(vs, bytes, "kv");
@@ -213,30 +309,30 @@ struct TcCopy {
     }
   }
 
-  // The pipeline. Before the first barrier: the first tile (fp8) or the first two tiles' row
+  // The pipeline. Before the first barrier: the first tile (quantized) or the first two tiles' row
   // offsets; after it, start() stages tile 0 (16-bit).
   __device__ __forceinline__ void prologue(int part_begin) {
     if constexpr (kPrefetch) {
       fetch(part_begin);
       store(0);
-    } else if constexpr (!kFp8) {
+    } else if constexpr (!kRegs) {
       locate_rows(0, part_begin);
       locate_rows(1, part_begin + BN);
     }
   }
   __device__ __forceinline__ void start(int part_begin) const {
-    if constexpr (!kFp8) {
+    if constexpr (!kRegs) {
       stage(0, part_begin);
       tc::cp_async_commit();
     }
   }
   // Tile it (keys from key0) of n: before its barrier, the next tile's copies issued and this
   // one's complete; after the barrier, the row offsets of tile it + 2 (read at tile it + 1's top);
-  // after its math, the fp8 tile in flight stored, or the barrier that frees this buffer.
+  // after its math, the quantized tile in flight stored, or the barrier that frees this buffer.
   __device__ __forceinline__ void before_tile(int it, int key0, int n) {
     if constexpr (kPrefetch) {
       if (it + 1 < n) fetch(key0 + BN);  // in flight during this tile's math
-    } else if constexpr (kFp8) {
+    } else if constexpr (kRegs) {
       load_store(it & 1, key0);  // the buffer was last read two tiles ago, before the last barrier
     } else if (it + 1 < n) {
       stage((it + 1) & 1, key0 + BN);
@@ -247,7 +343,7 @@ struct TcCopy {
     }
   }
   __device__ __forceinline__ void after_barrier(int it, int key0, int n) const {
-    if constexpr (!kFp8) {
+    if constexpr (!kRegs) {
       if (it + 2 < n) locate_rows(it & 1, key0 + 2 * BN);
     }
   }
@@ -255,7 +351,7 @@ struct TcCopy {
     if constexpr (kPrefetch) {
       // The other buffer was last read in the previous tile, before this tile's barrier.
       if (it + 1 < n) store((it + 1) & 1);
-    } else if constexpr (!kFp8) {
+    } else if constexpr (!kRegs) {
       __syncthreads();  // this buffer is staged again two tiles on
     }
   }

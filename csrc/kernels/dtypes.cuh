@@ -22,6 +22,17 @@ template <typename T> struct is_int_quant { static constexpr bool value = false;
 template <> struct is_int_quant<int8_t> { static constexpr bool value = true; };
 template <> struct is_int_quant<int4x2> { static constexpr bool value = true; };
 
+// A cache of E elements read with a scale per (token, head) row (PagedAttentionParams::
+// key_scales / value_scales) where a kernel's cache type argument must tell it from a cache of
+// the same elements with per-tensor scales (the tensor-core kernel's fp8): E, then whether the
+// rows are scaled, from either form.
+template <typename E> struct RowScaled {};
+template <typename C> struct cache_elem { using type = C; static constexpr bool kRowScaled = false; };
+template <typename E> struct cache_elem<RowScaled<E>> {
+  using type = E;
+  static constexpr bool kRowScaled = true;
+};
+
 // The DType of a per-(token, head) quantized element type (quant_max's argument).
 template <typename T> inline constexpr DType kQuantDType = DType::kFp8E4M3;
 template <> inline constexpr DType kQuantDType<int8_t> = DType::kInt8;

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import Case, call, check, make_args
+from attention_cases import Case, call, check, make_args, skip_what_auto_runs
 
 from pagedkv import ops
 from pagedkv.ops import reference
@@ -62,7 +62,7 @@ def refuses_write(backend) -> bool:
 
 
 def refuses_read(backend) -> bool:
-    return backend.name not in QUANTIZED_READ_BACKENDS
+    return backend.name.removesuffix("-tc") not in QUANTIZED_READ_BACKENDS
 
 
 # ---- the write ----------------------------------------------------------------------------
@@ -226,9 +226,16 @@ def test_decode(backend, fmt, dtype):
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("varlen", [False, True], ids=["decode", "varlen"])
-def test_features(backend, fmt, feature, varlen):
+def test_features(attention_backend, fmt, feature, varlen):
+    """Every attention feature, decode (4 rows per kv head: the CUDA-core kernel, or the
+    tensor-core one forced on -tc backends) and varlen (the tensor-core kernel)."""
     case = Case(dtype=torch.bfloat16, **FEATURES[feature])
-    run(backend, case.with_(**VARLEN) if varlen else case, fmt)
+    case = case.with_(**VARLEN) if varlen else case
+    skip_what_auto_runs(attention_backend, case)
+    if attention_backend.attention_kernel and fmt not in TC_FORMATS:
+        pytest.skip("the tensor-core kernel does not read fp8 e5m2 per row: the CUDA-core "
+                    "kernel's run (test_tensor_core_tiles checks the fallback)")
+    run(attention_backend, case, fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
@@ -245,17 +252,54 @@ def test_strided_layouts(backend, fmt, layout):
     run(backend, Case(layout=layout, dtype=torch.bfloat16).with_(**VARLEN), fmt)
 
 
+# Formats the tensor-core kernel reads (dequantized while staged); fp8 e5m2 per row runs on
+# the CUDA-core kernel.
+TC_FORMATS = (torch.int8, torch.uint8, torch.float8_e4m3fn)
+
+# Shapes aimed at the tensor-core kernel's tiling (automatic dispatch runs them there): head
+# sizes below the padded one (a row's last chunk past its end), odd block sizes and layouts, head
+# 256 (its loads at the tile start), 64-row tiles, decode tiles whose warps split the keys, a
+# split-K partition cut mid-block, window and ALiBi masks.
+TC_TILES = {
+    "f16 h24 bs3 nhd 3 row tiles": Case(dtype=torch.float16, head_size=24, block_size=3,
+                                        layout="nhd", seq_lens=(70, 33), q_lens=(40, 33)),
+    "bf16 h80 bs5 combined group 8": Case(dtype=torch.bfloat16, head_size=80, block_size=5,
+                                          layout="combined", seq_lens=(130, 7), q_lens=(1, 7),
+                                          num_heads=16),
+    "bf16 h256 prefill alibi": Case(dtype=torch.bfloat16, head_size=256, seq_lens=(90, 20),
+                                    q_lens=(30, 2), alibi=True),
+    "f16 h256 decode group 8": Case(dtype=torch.float16, head_size=256, seq_lens=(1, 100, 37),
+                                    num_heads=16),
+    "bf16 h64 sinks window 2 row tiles": Case(dtype=torch.bfloat16, head_size=64,
+                                              seq_lens=(150, 9), q_lens=(70, 9), sinks=True,
+                                              sliding_window=33, num_heads=16, num_kv_heads=2),
+    "f16 h128 decode group 8 split": Case(dtype=torch.float16, head_size=128, num_heads=8,
+                                          num_kv_heads=1, seq_lens=(700, 3), block_size=7),
+}
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-def test_forced_tensor_core_kernel_falls_back(backend, fmt, monkeypatch):
-    """PAGEDKV_ATTENTION_KERNEL=tensor_core on the CUDA-source backends: the tensor-core kernel
-    reads none of these formats, so the CUDA-core one runs them (as float32 queries), decode and
-    varlen rows of 16-bit queries that auto would give the tensor cores."""
-    if backend.name == "cpu":
-        pytest.skip("the CPU kernels have no kernel switch")
-    monkeypatch.setenv("PAGEDKV_ATTENTION_KERNEL", "tensor_core")
-    run(backend, Case(dtype=torch.bfloat16, num_heads=16, num_kv_heads=2), fmt)
-    run(backend, Case(dtype=torch.float16, num_heads=16, num_kv_heads=2, seq_lens=(70, 33),
-                      q_lens=(20, 33)), fmt)
+@pytest.mark.parametrize("name", TC_TILES)
+def test_tensor_core_tiles(backend, fmt, name):
+    """The tensor-core kernel over each format on the CUDA-source backends: int8, int4 and fp8
+    e4m3 rows run there (the emulator's profile names the kernel that read the cache), fp8 e5m2
+    rows fall back to the CUDA-core kernel, both against the reference."""
+    if not backend.name.startswith("simt"):
+        pytest.skip("the emulator's profile tells which kernel ran")
+    from pagedkv.ops import simt
+
+    case = TC_TILES[name]
+    with simt.profile() as prof:
+        run(backend, case, fmt)
+    tc = prof.total("paged_attention_tc_kernel", "kv")
+    core = prof.total("paged_attention_kernel", "kv")
+    if fmt not in TC_FORMATS:
+        assert tc["bytes"] == 0 and core["bytes"] > 0, (tc, core)
+        return
+    assert tc["bytes"] > 0 and core["bytes"] == 0, (tc, core)
+    if case.q_lens is None:  # one row tile a (sequence, kv head): rows and scales read once
+        scales = prof.total("paged_attention_tc_kernel", "kv_scales")
+        assert tc["reread"] == 1.0 and scales["reread"] == 1.0, (tc, scales)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
