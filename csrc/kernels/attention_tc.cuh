@@ -25,8 +25,9 @@
 //
 // Caches quantized per (token, head) (C = RowScaled<E>): the codes are staged as T exactly, a
 // key's K scale multiplies its column of S (fp32, before anything else touches the score) and
-// its V scale its column of P before P is rounded to T; the output is normalized by the fp32
-// row sum of P (the lse's), the MMA's sum of P as rounded holding V scales.
+// its V scale its column of P before P is rounded to T; the output's normalizer is the sum of P
+// as rounded divided by the V scales (fp32, one FMA a score, in place of the ones-MMA), so that
+// the output stays a convex combination of the dequantized V rows with the weights the MMA used.
 //
 // Split-K: with several partitions each block writes its normalized partial output and lse to
 // the workspace and paged_attention_reduce_kernel (attention_merge.cuh) merges them, as for the
@@ -72,7 +73,8 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   PAGEDKV_DYNAMIC_SMEM(T, tc_smem);
   constexpr bool kRowScaled = cache_elem<C>::kRowScaled;
   __shared__ RowOffsets row_off[2][BN];  // 16-bit caches: K/V row offsets of two tiles
-  __shared__ __align__(16) float tc_scale[kRowScaled ? 4 * BN : 1];  // row-scaled: [2][K, V][BN]
+  // row-scaled: [2 tiles][K scale, V scale, 1 / V scale][BN]
+  __shared__ __align__(16) float tc_scale[kRowScaled ? 6 * BN : 1];
   T* q_smem = tc_smem;                     // [kBM][kStride]
   T* k_smem = q_smem + Cfg::kQElems;       // [2][BN][kStride]
   T* v_smem = k_smem + 2 * Cfg::kKVElems;  // [2][BN][kStride]
@@ -118,6 +120,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   // the end) and of P as rounded for the MMA (the output's normalizer): an accumulator fragment
   // of P x ones, whose columns all hold the row sums (lr[0] row g, lr[2] row g + 8).
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  [[maybe_unused]] float lq[2] = {0.f, 0.f};  // row-scaled: sum of P as rounded / V scale
   float lr[4] = {0.f, 0.f, 0.f, 0.f};
   const uint32_t ones[2] = {pack2<T>(from_float<T>(1.f), from_float<T>(1.f)),
                             pack2<T>(from_float<T>(1.f), from_float<T>(1.f))};
@@ -150,8 +153,9 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
     const T* ks = k_smem + buf * Cfg::kKVElems + warp_n * KW * kStride;
     const T* vs = v_smem + buf * Cfg::kKVElems + warp_n * KW * kStride;
     // Row-scaled: this lane's keys' scales, at column 2 * (lane % 4) of each n8 tile.
-    [[maybe_unused]] const float* k_sc = tc_scale + 2 * buf * BN + warp_n * KW + 2 * (lane % 4);
+    [[maybe_unused]] const float* k_sc = tc_scale + 3 * buf * BN + warp_n * KW + 2 * (lane % 4);
     [[maybe_unused]] const float* v_sc = k_sc + BN;
+    [[maybe_unused]] const float* v_inv = k_sc + 2 * BN;
     // S = Q K^T: [16][KW] per warp (dims past head_size are zeros in Q and K).
     float s[KW / 8][4];
 #pragma unroll
@@ -222,6 +226,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
       m[h] = m_new;
       l[h] *= alpha;
       lr[2 * h] *= alpha;
+      if constexpr (kRowScaled) lq[h] *= alpha;
 #pragma unroll
       for (int d = 0; d < HEAD / 8; ++d) {
         o[d][2 * h] *= alpha;
@@ -235,7 +240,9 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
         T p0, p1;
         if constexpr (kRowScaled) {  // times the keys' V scales
           const float2 vsc = *reinterpret_cast<const float2*>(v_sc + j * 8);
+          const float2 inv = *reinterpret_cast<const float2*>(v_inv + j * 8);
           p0 = from_float<T>(e0 * vsc.x), p1 = from_float<T>(e1 * vsc.y);
+          lq[h] = fmaf(to_float(p0), inv.x, fmaf(to_float(p1), inv.y, lq[h]));
         } else {
           p0 = from_float<T>(e0), p1 = from_float<T>(e1);
         }
@@ -304,7 +311,11 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
     l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
-    if constexpr (kRowScaled) lr[2 * h] = l[h];  // P as rounded holds the V scales
+    if constexpr (kRowScaled) {  // P as rounded holds the V scales
+      lq[h] += __shfl_xor_sync(kFullMask, lq[h], 1);
+      lq[h] += __shfl_xor_sync(kFullMask, lq[h], 2);
+      lr[2 * h] = lq[h];
+    }
   }
 
   if constexpr (WN == 1) {

@@ -26,6 +26,16 @@ enum class AttentionKernelChoice { kAuto, kCudaCore, kTensorCore };
 // Below it the CUDA-core kernel's 4-row tiles waste nothing while an MMA tile of 16 rows would
 // be mostly empty.
 constexpr int kAttnTcMinRows = 8;
+// The same from 4 rows for caches quantized per (token, head) (int8, int4, fp8 e4m3): the
+// CUDA-core kernel dequantizes each element once per 4-row tile, and from 4 rows its loop issues
+// more per K/V byte than the tensor-core kernel's staging does once per 16-row tile (SASS model,
+// sm_90, head 128: int8 440 against about 230 instructions per KiB; docs/quantized_kv.md).
+constexpr int kAttnTcMinRowsScaled = 4;
+
+// The rows per kv head from which automatic dispatch takes the tensor-core kernel.
+inline int attention_tc_min_rows(const PagedAttentionParams& p) {
+  return p.key_scales.data != nullptr ? kAttnTcMinRowsScaled : kAttnTcMinRows;
+}
 // Up to this many rows per kv head the "decode" configuration runs (one 16-row MMA tile, the
 // warps splitting the keys); above it the "prefill" one (64-row tiles, one 16-row slice per warp).
 constexpr int kAttnTcDecodeRows = 16;
@@ -64,8 +74,10 @@ inline AttentionKernel choose_attention_kernel(const PagedAttentionParams& p, bo
                                                int sm_major, AttentionKernelChoice choice) {
   if (choice == AttentionKernelChoice::kCudaCore || !attention_tc_supported(p, vectorized, sm_major))
     return AttentionKernel::kCudaCore;
-  if (choice == AttentionKernelChoice::kTensorCore || attention_tc_rows(p) >= kAttnTcMinRows)
+  if (choice == AttentionKernelChoice::kTensorCore ||
+      attention_tc_rows(p) >= attention_tc_min_rows(p)) {
     return AttentionKernel::kTensorCore;
+  }
   return AttentionKernel::kCudaCore;
 }
 

@@ -188,7 +188,9 @@ struct TcCopy {
   static constexpr int kLoadStoreUnroll = kRowScaled ? 4 : kPasses;
   T* kd;  // this thread's chunk of its first row in K buffer 0; V's, Cfg::kKVElems * 2 further
   RowOffsets (*row_off)[BN];
-  float* scales;  // row-scaled: [buffer][0: K, 1: V][BN] in shared memory (kernel: tc_scale)
+  // Row-scaled: [buffer][K scale, V scale, 1 / V scale][BN] in shared memory (kernel:
+  // tc_scale); a V scale of 0 (a row of zeros) is kept as 1.
+  float* scales;
   attn::KVRows<E, attn::MagicDiv> kv;
   attn::RowScales row_scales;
   int tid, my_row, part_end;
@@ -245,8 +247,10 @@ struct TcCopy {
   }
   __device__ __forceinline__ void store_scales(int buf, float ks, float vs) const {
     if (tid < BN) {
-      scales[(2 * buf) * BN + tid] = ks;
-      scales[(2 * buf + 1) * BN + tid] = vs;
+      vs = vs > 0.f ? vs : 1.f;
+      scales[(3 * buf) * BN + tid] = ks;
+      scales[(3 * buf + 1) * BN + tid] = vs;
+      scales[(3 * buf + 2) * BN + tid] = 1.f / vs;
     }
   }
   __device__ __forceinline__ void fetch(int key0) {

@@ -118,14 +118,16 @@ def to_device(args: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
-def auto_picks_tensor_cores(case: Case) -> bool:
+def auto_picks_tensor_cores(case: Case, row_scaled: bool = False) -> bool:
     """Whether automatic dispatch runs a case (aligned caches) on the tensor-core kernel: 16-bit
-    queries and at least 8 (query token, query head) rows per kv head (docs/cuda_attention.md)."""
+    queries and at least 8 (query token, query head) rows per kv head, 4 over a cache the
+    tensor-core kernel reads with a scale per (token, head) (`row_scaled`: int8, int4, fp8 e4m3;
+    docs/cuda_attention.md)."""
     rows = max(case.q_lens or (1,)) * (case.num_heads // case.num_kv_heads)
-    return case.dtype != torch.float32 and rows >= 8
+    return case.dtype != torch.float32 and rows >= (4 if row_scaled else 8)
 
 
-def skip_what_auto_runs(backend, case: Case) -> None:
+def skip_what_auto_runs(backend, case: Case, row_scaled: bool = False) -> None:
     """On a -tc backend (the tensor-core kernel forced), skip a case whose run would repeat the
     automatic backend's: float32 queries (the CUDA-core kernel either way) and cases that
     dispatch sends to the tensor-core kernel already."""
@@ -133,7 +135,7 @@ def skip_what_auto_runs(backend, case: Case) -> None:
         return
     if case.dtype == torch.float32:
         pytest.skip("float32 queries run on the CUDA-core kernel: the automatic backend's run")
-    if auto_picks_tensor_cores(case):
+    if auto_picks_tensor_cores(case, row_scaled):
         pytest.skip("automatic dispatch runs this case on the tensor-core kernel already")
 
 

@@ -227,11 +227,12 @@ def test_decode(backend, fmt, dtype):
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("varlen", [False, True], ids=["decode", "varlen"])
 def test_features(attention_backend, fmt, feature, varlen):
-    """Every attention feature, decode (4 rows per kv head: the CUDA-core kernel, or the
-    tensor-core one forced on -tc backends) and varlen (the tensor-core kernel)."""
-    case = Case(dtype=torch.bfloat16, **FEATURES[feature])
+    """Every attention feature, decode (2 rows per kv head: the CUDA-core kernel, or the
+    tensor-core one forced on -tc backends) and varlen (the tensor-core kernel; fp8 e5m2: the
+    CUDA-core one)."""
+    case = Case(dtype=torch.bfloat16, num_heads=4, **FEATURES[feature])
     case = case.with_(**VARLEN) if varlen else case
-    skip_what_auto_runs(attention_backend, case)
+    skip_what_auto_runs(attention_backend, case, row_scaled=fmt in TC_FORMATS)
     if attention_backend.attention_kernel and fmt not in TC_FORMATS:
         pytest.skip("the tensor-core kernel does not read fp8 e5m2 per row: the CUDA-core "
                     "kernel's run (test_tensor_core_tiles checks the fallback)")
@@ -255,6 +256,23 @@ def test_strided_layouts(backend, fmt, layout):
 # Formats the tensor-core kernel reads (dequantized while staged); fp8 e5m2 per row runs on
 # the CUDA-core kernel.
 TC_FORMATS = (torch.int8, torch.uint8, torch.float8_e4m3fn)
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("group", [2, 4, 8])
+def test_dispatch_takes_the_tensor_cores_from_4_rows(backend, fmt, group):
+    """Automatic dispatch over a cache the tensor-core kernel reads (int8, int4, fp8 e4m3 per
+    row): the tensor-core kernel from 4 rows per kv head (a decode group of 4), the CUDA-core
+    kernel below, and for fp8 e5m2 rows always (the emulator's profile names the kernel)."""
+    if not backend.name.startswith("simt"):
+        pytest.skip("the emulator's profile tells which kernel ran")
+    from pagedkv.ops import simt
+
+    case = Case(dtype=torch.bfloat16, num_heads=2 * group, seq_lens=(1, 70, 33))
+    with simt.profile() as prof:
+        run(backend, case, fmt)
+    tc = prof.total("paged_attention_tc_kernel", "kv")["bytes"]
+    assert (tc > 0) == (fmt in TC_FORMATS and group >= 4), tc
+
 
 # Shapes aimed at the tensor-core kernel's tiling (automatic dispatch runs them there): head
 # sizes below the padded one (a row's last chunk past its end), odd block sizes and layouts, head
