@@ -20,8 +20,9 @@
 # `build` use the modules built in place by an earlier call.
 # sanitize: compute-sanitizer memcheck over the cache-op tests and a short attention selection
 # (decode, GQA, split-K, varlen, fp8) plus the MLA kernel's (decode, MTP, prefill, split-K) and
-# the quantized caches' write and read (int8, int4, fp8 per row), and racecheck (shared memory)
-# over the attention and MLA selections.
+# the quantized caches' write and read (int8, int4, fp8 per row; the tensor-core kernel's tile
+# shapes over them), and racecheck (shared memory) over the attention, MLA and quantized
+# tensor-core selections.
 #
 # Environment: PYTHON (default: python3; a Python with torch), ARCH (default 9.0),
 # MAX_JOBS (default 16), BUILD_TIMEOUT / TEST_TIMEOUT / BENCH_TIMEOUT in seconds (defaults 420,
@@ -63,8 +64,9 @@ CUDA_TESTS=(env PAGEDKV_TEST_BACKENDS=cuda "$PYTHON" -m pytest -q -p no:cachepro
 ATTENTION_SELECTION=(tests/ops/test_paged_attention.py -k
   "block_sizes_and_gqa or long_context or varlen_long or fp8_caches or strided_cache")
 MLA_SELECTION=(tests/ops/test_mla_attention.py -k "block_sizes or split_k or fp8")
-# The per-(token, head) quantized caches (int8, int4, fp8): their write and their CUDA-core read.
-QUANT_SELECTION=(tests/ops/test_quantized_kv.py -k "write or decode or split_keys")
+# The per-(token, head) quantized caches (int8, int4, fp8): their write, their CUDA-core read and
+# the tensor-core kernel's (its tile shapes; shared memory holds the rows' scales too).
+QUANT_SELECTION=(tests/ops/test_quantized_kv.py -k "write or decode or split_keys or tensor_core_tiles")
 
 if wants env; then
   step env 60 bash -c "nvidia-smi; nvcc --version; $PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'" || true
@@ -115,6 +117,9 @@ if wants sanitize && command -v compute-sanitizer >/dev/null; then
     --racecheck-report hazard "${CUDA_TESTS[@]}" -x "${MLA_SELECTION[@]}" || true
   step memcheck_quant "${SANITIZE_TIMEOUT:-240}" "${SANITIZER[@]}" --tool memcheck \
     "${CUDA_TESTS[@]}" -x "${QUANT_SELECTION[@]}" || true
+  step racecheck_quant "${SANITIZE_TIMEOUT:-240}" "${SANITIZER[@]}" --tool racecheck \
+    --racecheck-report hazard "${CUDA_TESTS[@]}" -x tests/ops/test_quantized_kv.py \
+    -k tensor_core_tiles || true
 fi
 if wants ncu && command -v ncu >/dev/null; then
   step ncu "${MODEL_TIMEOUT:-300}" ncu --kernel-name regex:paged_attention_kernel --launch-skip 2 \
