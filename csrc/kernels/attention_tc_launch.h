@@ -26,15 +26,18 @@ enum class AttentionKernelChoice { kAuto, kCudaCore, kTensorCore };
 // Below it the CUDA-core kernel's 4-row tiles waste nothing while an MMA tile of 16 rows would
 // be mostly empty.
 constexpr int kAttnTcMinRows = 8;
-// The same from 4 rows for caches quantized per (token, head) (int8, int4, fp8 e4m3): the
-// CUDA-core kernel dequantizes each element once per 4-row tile, and from 4 rows its loop issues
-// more per K/V byte than the tensor-core kernel's staging does once per 16-row tile (SASS model,
-// sm_90, head 128: int8 440 against about 230 instructions per KiB; docs/quantized_kv.md).
-constexpr int kAttnTcMinRowsScaled = 4;
+// The same from 4 rows for 8- and 4-bit caches (fp8 with per-tensor scales; int8, int4 and fp8
+// e4m3 quantized per (token, head)): the CUDA-core kernel converts each element once per 4-row
+// tile, and from 4 rows its loop issues more per K/V byte than the tensor-core kernel's staging
+// does once per 16-row tile (SASS model, sm_90, head 128, GQA 4: int8 440 against about 240
+// instructions per KiB, fp8 388; docs/cuda_attention.md, Dispatch).
+constexpr int kAttnTcMinRowsQuantized = 4;
 
 // The rows per kv head from which automatic dispatch takes the tensor-core kernel.
 inline int attention_tc_min_rows(const PagedAttentionParams& p) {
-  return p.key_scales.data != nullptr ? kAttnTcMinRowsScaled : kAttnTcMinRows;
+  const bool quantized = p.key_scales.data != nullptr || p.cache_dtype == DType::kFp8E4M3 ||
+                         p.cache_dtype == DType::kFp8E5M2;
+  return quantized ? kAttnTcMinRowsQuantized : kAttnTcMinRows;
 }
 // Up to this many rows per kv head the "decode" configuration runs (one 16-row MMA tile, the
 // warps splitting the keys); above it the "prefill" one (64-row tiles, one 16-row slice per warp).

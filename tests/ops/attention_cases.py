@@ -120,11 +120,12 @@ def to_device(args: dict, device) -> dict:
 
 def auto_picks_tensor_cores(case: Case, row_scaled: bool = False) -> bool:
     """Whether automatic dispatch runs a case (aligned caches) on the tensor-core kernel: 16-bit
-    queries and at least 8 (query token, query head) rows per kv head, 4 over a cache the
-    tensor-core kernel reads with a scale per (token, head) (`row_scaled`: int8, int4, fp8 e4m3;
-    docs/cuda_attention.md)."""
+    queries and at least 8 (query token, query head) rows per kv head, 4 over an 8- or 4-bit
+    cache (fp8 with per-tensor scales; `row_scaled`: int8, int4 or fp8 e4m3 the tensor-core
+    kernel reads with a scale per (token, head)); docs/cuda_attention.md, Dispatch."""
     rows = max(case.q_lens or (1,)) * (case.num_heads // case.num_kv_heads)
-    return case.dtype != torch.float32 and rows >= (4 if row_scaled else 8)
+    quantized = row_scaled or case.cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return case.dtype != torch.float32 and rows >= (4 if quantized else 8)
 
 
 def skip_what_auto_runs(backend, case: Case, row_scaled: bool = False) -> None:

@@ -585,7 +585,8 @@ def test_compiles_fullgraph(backend):
 # --- kernel dispatch on cuda and simt: PAGEDKV_ATTENTION_KERNEL and the automatic rule ---------
 
 # (case, kernel that automatic dispatch picks): the tensor-core kernel from 8 (query token, query
-# head) rows per kv head on, for 16-bit queries with a cache of their dtype or fp8, rows aligned.
+# head) rows per kv head on (fp8 caches: from 4), for 16-bit queries with a cache of their dtype
+# or fp8, rows aligned.
 DISPATCH = {
     "bf16 decode group 4": (Case(dtype=torch.bfloat16), "cuda_core"),
     "bf16 decode group 8": (Case(dtype=torch.bfloat16, num_heads=16), "tensor_core"),
@@ -597,7 +598,9 @@ DISPATCH = {
     "fp8 cache chunks": (Case(dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
                               seq_lens=(9, 40), q_lens=(2, 7)), "tensor_core"),
     "f16 fp8 e5m2 decode group 4": (Case(dtype=torch.float16, cache_dtype=torch.float8_e5m2),
-                                    "cuda_core"),
+                                    "tensor_core"),
+    "bf16 fp8 e4m3 decode group 2": (Case(dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
+                                          num_heads=4), "cuda_core"),
     "bf16 unaligned rows": (Case(dtype=torch.bfloat16, seq_lens=(9, 40), q_lens=(2, 7)),
                             "cuda_core"),
 }
