@@ -45,7 +45,9 @@ cudaError_t mla_attention_tc_typed(const PagedAttentionParams& p, const Attentio
 
 }  // namespace attn_mla
 
-// The launch's kernel for query dtype T (float32 queries run on the CUDA-core kernel only).
+// The launch's kernel for query dtype T (float32 queries run on the CUDA-core kernel only; the
+// tensor-core kernel's instantiations over caches quantized per (token, head) are
+// csrc/*/attention_tc_scaled_*.*).
 template <typename T>
 cudaError_t paged_attention_of(const PagedAttentionParams& p, const AttentionLaunch& launch,
                                cudaStream_t stream) {
@@ -54,30 +56,23 @@ cudaError_t paged_attention_of(const PagedAttentionParams& p, const AttentionLau
   }
   if constexpr (std::is_same_v<T, float>) {
     return cudaErrorInvalidValue;
+  } else if (p.key_scales.data != nullptr) {
+    return attn_tc::paged_attention_tc_row_scaled_typed<T>(p, launch.plan, stream);
   } else {
     return attn_tc::paged_attention_tc_typed<T>(p, launch.plan, stream);
   }
 }
 
-// Caches quantized per (token, head): the CUDA-core kernel's instantiations of
-// csrc/*/attention_row_scaled.* (one per format, any query dtype), the tensor-core kernel's of
-// csrc/*/attention_tc_scaled_*.* (16-bit queries; int8, int4, fp8 e4m3).
+// Caches quantized per (token, head) on the CUDA-core kernel: its instantiations of
+// csrc/*/attention_row_scaled.* (one per format, any query dtype); on the tensor-core kernel:
+// per query dtype, as the other caches (paged_attention_of).
 cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionLaunch& launch,
                             cudaStream_t stream) {
   if (p.num_tokens == 0 || p.num_seqs == 0) return cudaSuccess;
-  if (p.key_scales.data != nullptr) {
-    if (launch.kernel == AttentionKernel::kCudaCore) {
-      return with_token_scaled_type(p.cache_dtype, [&]<typename C>() {
-        return attn::paged_attention_row_scaled_typed<C>(p, launch.plan, stream);
-      });
-    }
-    switch (p.dtype) {
-      case DType::kFloat16:
-        return attn_tc::paged_attention_tc_row_scaled_typed<__half>(p, launch.plan, stream);
-      case DType::kBFloat16:
-        return attn_tc::paged_attention_tc_row_scaled_typed<__nv_bfloat16>(p, launch.plan, stream);
-      default: return cudaErrorInvalidValue;
-    }
+  if (p.key_scales.data != nullptr && launch.kernel == AttentionKernel::kCudaCore) {
+    return with_token_scaled_type(p.cache_dtype, [&]<typename C>() {
+      return attn::paged_attention_row_scaled_typed<C>(p, launch.plan, stream);
+    });
   }
   switch (p.dtype) {
     case DType::kFloat32: return paged_attention_of<float>(p, launch, stream);
