@@ -11,6 +11,7 @@ from attention_cases import (
     FLOAT_DTYPES,
     FP8_DTYPES,
     OP_ARGS,
+    TC_TILES,
     Case,
     auto_picks_tensor_cores,
     call,
@@ -172,38 +173,6 @@ def test_varlen_long_prefill(backend, dtype):
     """Query tiles: many query tokens per sequence, GQA 8, with a window and soft cap."""
     run(backend, Case(seq_lens=(300, 150, 7), q_lens=(200, 150, 3), num_heads=16,
                       num_kv_heads=2, dtype=dtype, sliding_window=100, soft_cap=30.0))
-
-
-# Shapes aimed at the tensor-core kernel's tiling (automatic dispatch runs them there): several
-# 64-row tiles, head sizes below the padded one, odd block sizes, fp8 at head 256 (its loads at
-# the tile start), a full 16-row decode tile, key tiles and split-K partitions cut mid-block.
-TC_TILES = {
-    "f16 h24 bs3 nhd 3 row tiles": Case(dtype=torch.float16, head_size=24, block_size=3,
-                                        layout="nhd", seq_lens=(70, 33), q_lens=(40, 33)),
-    "bf16 h80 bs5 combined group 8": Case(dtype=torch.bfloat16, head_size=80, block_size=5,
-                                          layout="combined", seq_lens=(130, 7), q_lens=(1, 7),
-                                          num_heads=16),
-    "bf16 h256 e4m3 prefill": Case(dtype=torch.bfloat16, head_size=256,
-                                   cache_dtype=torch.float8_e4m3fn, seq_lens=(90, 20),
-                                   q_lens=(30, 2), alibi=True),
-    "f16 h256 e5m2 decode group 8": Case(dtype=torch.float16, head_size=256,
-                                         cache_dtype=torch.float8_e5m2, seq_lens=(1, 100, 37),
-                                         num_heads=16),
-    "bf16 h192 decode group 16": Case(dtype=torch.bfloat16, head_size=192, num_heads=16,
-                                      num_kv_heads=1, seq_lens=(300, 1, 65), alibi=True,
-                                      sliding_window=50, soft_cap=10.0),
-    "bf16 h64 sinks window 2 row tiles": Case(dtype=torch.bfloat16, head_size=64,
-                                              seq_lens=(150, 9), q_lens=(70, 9), sinks=True,
-                                              sliding_window=33, num_heads=16, num_kv_heads=2),
-    "bf16 h128 decode group 32": Case(dtype=torch.bfloat16, head_size=128, num_heads=32,
-                                      num_kv_heads=1, seq_lens=(90, 1, 33)),
-    "f16 h64 decode group 16 fp8": Case(dtype=torch.float16, head_size=64, num_heads=32,
-                                        num_kv_heads=2, cache_dtype=torch.float8_e4m3fn,
-                                        seq_lens=(45, 160)),
-    "f16 h128 sinks decode group 8 split": Case(dtype=torch.float16, head_size=128,
-                                                num_heads=8, num_kv_heads=1, sinks=True,
-                                                seq_lens=(700, 3), block_size=7),
-}
 
 
 @pytest.mark.parametrize("name", TC_TILES)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import Case, call, check, make_args, skip_what_auto_runs
+from attention_cases import TC_TILES, Case, call, check, make_args, skip_what_auto_runs
 
 from pagedkv import ops
 from pagedkv.ops import reference
@@ -274,35 +274,14 @@ def test_dispatch_takes_the_tensor_cores_from_4_rows(backend, fmt, group):
     assert (tc > 0) == (fmt in TC_FORMATS and group >= 4), tc
 
 
-# Shapes aimed at the tensor-core kernel's tiling (automatic dispatch runs them there): head
-# sizes below the padded one (a row's last chunk past its end), odd block sizes and layouts, head
-# 256 (its loads at the tile start), 64-row tiles, decode tiles whose warps split the keys, a
-# split-K partition cut mid-block, window and ALiBi masks.
-TC_TILES = {
-    "f16 h24 bs3 nhd 3 row tiles": Case(dtype=torch.float16, head_size=24, block_size=3,
-                                        layout="nhd", seq_lens=(70, 33), q_lens=(40, 33)),
-    "bf16 h80 bs5 combined group 8": Case(dtype=torch.bfloat16, head_size=80, block_size=5,
-                                          layout="combined", seq_lens=(130, 7), q_lens=(1, 7),
-                                          num_heads=16),
-    "bf16 h256 prefill alibi": Case(dtype=torch.bfloat16, head_size=256, seq_lens=(90, 20),
-                                    q_lens=(30, 2), alibi=True),
-    "f16 h256 decode group 8": Case(dtype=torch.float16, head_size=256, seq_lens=(1, 100, 37),
-                                    num_heads=16),
-    "bf16 h64 sinks window 2 row tiles": Case(dtype=torch.bfloat16, head_size=64,
-                                              seq_lens=(150, 9), q_lens=(70, 9), sinks=True,
-                                              sliding_window=33, num_heads=16, num_kv_heads=2),
-    "f16 h128 decode group 8 split": Case(dtype=torch.float16, head_size=128, num_heads=8,
-                                          num_kv_heads=1, seq_lens=(700, 3), block_size=7),
-}
-
-
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("name", TC_TILES)
 def test_tensor_core_tiles(backend, fmt, name):
-    """The tensor-core kernel's tile shapes over each format, against the reference; on simt,
-    from the emulator's profile, int8, int4 and fp8 e4m3 rows ran on the tensor-core kernel
-    and fp8 e5m2 rows on the CUDA-core one."""
-    case = TC_TILES[name]
+    """The suite's tensor-core tile shapes (attention_cases.TC_TILES; a shape's own fp8 cache
+    dtype, where it names one, gives way to the format) over each format, against the
+    reference; on simt, from the emulator's profile, int8, int4 and fp8 e4m3 rows ran on the
+    tensor-core kernel and fp8 e5m2 rows on the CUDA-core one."""
+    case = TC_TILES[name].with_(cache_dtype=None)
     if not backend.name.startswith("simt"):  # the emulator's profile tells which kernel ran
         run(backend, case, fmt)
         return
