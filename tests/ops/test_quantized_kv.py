@@ -240,6 +240,24 @@ def test_features(attention_backend, fmt, feature, varlen):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_nan_or_inf_in_a_query_leaves_the_other_rows_alone(backend, fmt, bad):
+    """A NaN or an infinity in one query element: every other row's output is the clean
+    query's, bit for bit (the CPU's integer path rounds each row to int16 by its own largest
+    element, in decode in quads of 4 rows)."""
+    case = Case(dtype=torch.bfloat16, num_heads=8, num_kv_heads=2, head_size=128,
+                seq_lens=(37, 5))
+    args, _ = quantized_args(case, fmt, backend.device)
+    clean = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    args["query"][1, 2, 77] = bad
+    call(backend.ops.paged_attention, clean)
+    call(backend.ops.paged_attention, args)
+    spoiled = torch.zeros(args["out"].shape[:2], dtype=torch.bool)
+    spoiled[1, 2] = True
+    assert_same_bits(args["out"].cpu()[~spoiled], clean["out"].cpu()[~spoiled])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("block_size,heads,head_size", [(1, (4, 4), 64), (17, (12, 3), 80),
                                                         (64, (32, 8), 128), (16, (8, 1), 256)])
 def test_block_sizes_heads_and_head_sizes(backend, fmt, block_size, heads, head_size):
