@@ -175,30 +175,41 @@ def prefill_flops(num_seqs: int, new: int, cached: int, head_size: int = HEAD_SI
     return 4.0 * head_size * NUM_HEADS * visible * num_seqs
 
 
-def paired_with_peak(fn, min_reps: int, min_time: float, threads: int):
-    """Times fn (wall and process CPU time) and the FMA peak probe alternately. Returns fn's
-    median wall seconds, its median CPU seconds, the probe's median GFLOP/s (all threads) and the
-    median over the pairs of the probe's GFLOP per CPU second of one thread."""
+def paired_with_peak(fn, min_reps: int, min_time: float, threads: int,
+                     kinds: tuple[str, ...] = ("fp32",)):
+    """Times fn (wall and process CPU time) and the peak probes of kinds (peak_gflops; FMA for
+    "fp32") alternately. Returns fn's wall seconds and CPU seconds, and per kind the probe's
+    GFLOP/s (all threads) and its GFLOP per CPU second of one thread, a list entry per pair (a
+    kind this machine lacks: empty lists)."""
     fn()
-    walls, cpus, peaks, per_thread = [], [], [], []
+    walls, cpus = [], []
+    peaks = {kind: [] for kind in kinds}
+    per_thread = {kind: [] for kind in kinds}
     start = time.perf_counter()
     while len(walls) < min_reps or time.perf_counter() - start < min_time:
         w0, c0 = time.perf_counter(), time.process_time()
         fn()
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
-        peak = peak_gflops()
-        if peak is not None:
-            peaks.append(peak)
-            per_thread.append(peak / threads)
+        for kind in kinds:
+            peak = peak_gflops(kind)
+            if peak is not None:
+                peaks[kind].append(peak)
+                per_thread[kind].append(peak / threads)
     return walls, cpus, peaks, per_thread
+
+
+def of_peak(work: float, cpus: list[float], per_thread: list[float]) -> float | None:
+    """The median over the pairs of work (FLOP) per CPU second over one thread's probe."""
+    fractions = [work / c / 1e9 / p for c, p in zip(cpus, per_thread, strict=False)]
+    return statistics.median(fractions) if fractions else None
 
 
 def run_prefill(quick: bool, dev: torch.device, cpu_kernel: str | None) -> list[dict]:
     threads = torch.get_num_threads()
     rows = PREFILL_ROWS[:1] if quick else PREFILL_ROWS
     cpu = dev.type == "cpu"
-    bf16_peak = peak_gflops("bf16", 0.05) if cpu else None
+    has_bf16_dots = cpu and peak_gflops("bf16") is not None
     results = []
     for dtype in DTYPES:
         for num_seqs, new, cached in rows:
@@ -213,18 +224,19 @@ def run_prefill(quick: bool, dev: torch.device, cpu_kernel: str | None) -> list[
                     sync(dev)
 
                 flops = prefill_flops(num_seqs, new, cached)
+                # the bf16 dot-product probe paired too, for bf16 on AVX512_BF16
+                bf16_dots = has_bf16_dots and dtype == torch.bfloat16
+                kinds = ("fp32", "bf16") if bf16_dots else ("fp32",)
                 if cpu:
                     walls, cpus, peaks, per_thread = paired_with_peak(
-                        call, 3 if quick else 5, 0.0 if quick else 2.0, threads)
-                    # per pair: the op's FLOP per CPU second over one thread's peak
-                    fractions = [flops / c / 1e9 / p
-                                 for c, p in zip(cpus, per_thread, strict=False)]
+                        call, 3 if quick else 5, 0.0 if quick else 2.0, threads, kinds)
                 else:
                     walls = [median_seconds(call, dev, 3 if quick else 5, 0.0 if quick else 1.0)]
-                    cpus, peaks, fractions = [], [], []
+                    cpus, peaks, per_thread = [], {}, {}
                 wall = statistics.median(walls)
-                peak = statistics.median(peaks) if peaks else None
-                fraction = statistics.median(fractions) if fractions else None
+                peak = statistics.median(peaks["fp32"]) if peaks.get("fp32") else None
+                fraction = of_peak(flops, cpus, per_thread.get("fp32", []))
+                bf16_peak = statistics.median(peaks["bf16"]) if peaks.get("bf16") else None
                 results.append(dict(
                     kind="prefill", dtype=str(dtype).removeprefix("torch."), num_seqs=num_seqs,
                     new_tokens=new, cached_tokens=cached, num_heads=NUM_HEADS,
@@ -235,9 +247,7 @@ def run_prefill(quick: bool, dev: torch.device, cpu_kernel: str | None) -> list[
                     gflops_per_cpu_s=flops / statistics.median(cpus) / 1e9 if cpus else None,
                     peak_gflops=peak, peak_fraction=fraction,
                     bf16_peak_gflops=bf16_peak,
-                    bf16_peak_fraction=(fraction * peak / bf16_peak
-                                        if bf16_peak and peak and fraction and
-                                        dtype == torch.bfloat16 else None),
+                    bf16_peak_fraction=of_peak(flops, cpus, per_thread.get("bf16", [])),
                 ))
                 del row
     return results
@@ -289,13 +299,14 @@ def print_table(results: list[dict]) -> None:
 def print_prefill(results: list[dict]) -> None:
     r0 = results[0]
     kernel = f" ({r0['cpu_kernel']} kernels)" if r0["cpu_kernel"] else ""
+    bf16 = any(r["bf16_peak_gflops"] for r in results)
     print(f"\nchunked prefill, {r0['threads']} threads, {r0['device']}{kernel}; peak: FMA probe "
           "after every call (median, all threads); of peak: median over those pairs, per CPU "
-          "second" + (f"; bf16 dot-product peak {r0['bf16_peak_gflops']:.0f} GFLOP/s"
-                      if r0["bf16_peak_gflops"] else ""))
+          "second" + ("; of bf16: the same against the bf16 dot-product probe, also after every "
+                      "call (bf16 rows)" if bf16 else ""))
     print(f"{'dtype':>9} {'seqs x new + cached':>20} {'q/kv':>5} {'ms':>9} {'GFLOP/s':>8} "
           f"{'/CPU s':>7} {'peak':>6} {'of peak':>8}"
-          + (f" {'of bf16':>8}" if r0["bf16_peak_gflops"] else ""))
+          + (f" {'of bf16':>8}" if bf16 else ""))
     for r in results:
         frac = f"{r['peak_fraction']:8.0%}" if r["peak_fraction"] is not None else f"{'-':>8}"
         peak = f"{r['peak_gflops']:6.0f}" if r["peak_gflops"] else f"{'-':>6}"
@@ -303,7 +314,7 @@ def print_prefill(results: list[dict]) -> None:
                 f"{r['cached_tokens']:<6} {r['num_heads']:>2}/{r['num_kv_heads']:<2} "
                 f"{r['ms']:9.1f} {r['gflops']:8.1f} {r['gflops_per_cpu_s'] or 0:7.1f} {peak} "
                 f"{frac}")
-        if r0["bf16_peak_gflops"]:
+        if bf16:
             bf = r["bf16_peak_fraction"]
             line += f" {bf:8.0%}" if bf is not None else f" {'-':>8}"
         print(line)

@@ -9,9 +9,10 @@ per (head, visible key). On the CPU, every call is followed by the FMA peak prob
 (pagedkv.ops.cpu_peak_gflops: 12 chains of the kernels' own FMA instruction on every thread) and
 the fraction is the median over those pairs of the op's FLOP per CPU second over the probe's per
 thread, so that other load on a shared machine weighs on both sides alike; with AVX512_BF16 the
-bf16 rows are also given against the bf16 dot-product peak. Two copies of every row's cache are
-used in turn, so that each call reads its latent rows from memory (2 x 38 MB for decode, past a
-32 MiB L3). "GB/s" is the latent bytes a call reads (each row once per head tile) per second.
+rows are also given against the bf16 dot-product probe, run after every call as well. Two
+copies of every row's cache are used in turn, so that each call reads its latent rows from
+memory (2 x 38 MB for decode, past a 32 MiB L3). "GB/s" is the latent bytes a call reads
+(each row once per head tile) per second.
 
     python -m bench.bench_attention_mla [--quick] [--device cpu|cuda]
 
@@ -28,7 +29,13 @@ from pathlib import Path
 import torch
 
 import pagedkv
-from bench.bench_attention import median_seconds, paired_with_peak, peak_gflops, sync
+from bench.bench_attention import (
+    median_seconds,
+    of_peak,
+    paired_with_peak,
+    peak_gflops,
+    sync,
+)
 from pagedkv.cache.paged_cache import zeros_kv
 
 RANK, ROPE = 512, 64
@@ -79,7 +86,8 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
     cpu = dev.type == "cpu"
     threads = torch.get_num_threads()
     cpu_kernel = pagedkv.ops.cpu_attention_kernel(WIDTH) if cpu else None
-    bf16_peak = peak_gflops("bf16", 0.05) if cpu else None
+    # with AVX512_BF16, the bf16 dot-product probe after every call too
+    kinds = ("fp32", "bf16") if cpu and peak_gflops("bf16") is not None else ("fp32",)
     rows = [r for r in ROWS if r[0] != "prefill"] if quick else ROWS
     results = []
     for kind, num_seqs, new, cached, heads in rows:
@@ -96,13 +104,13 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
             work = flops(num_seqs, new, cached, heads)
             reps = 1 if kind == "prefill" else (3 if quick else 7)
             if cpu:
-                walls, cpus, peaks, per_thread = paired_with_peak(call, reps, 0.0, threads)
-                fractions = [work / c / 1e9 / p for c, p in zip(cpus, per_thread, strict=False)]
+                walls, cpus, peaks, per_thread = paired_with_peak(call, reps, 0.0, threads, kinds)
             else:
-                walls, cpus, peaks, fractions = [median_seconds(call, dev, reps, 0.5)], [], [], []
+                walls, cpus, peaks, per_thread = [median_seconds(call, dev, reps, 0.5)], [], {}, {}
             wall = statistics.median(walls)
-            fraction = statistics.median(fractions) if fractions else None
-            peak = statistics.median(peaks) if peaks else None
+            fraction = of_peak(work, cpus, per_thread.get("fp32", []))
+            peak = statistics.median(peaks["fp32"]) if peaks.get("fp32") else None
+            bf16_peak = statistics.median(peaks["bf16"]) if peaks.get("bf16") else None
             results.append(dict(
                 kind=kind, num_seqs=num_seqs, new_tokens=new, cached_tokens=cached,
                 num_heads=heads, block_size=block_size, dtype="bfloat16", threads=threads,
@@ -111,8 +119,7 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
                 gflops_per_cpu_s=work / statistics.median(cpus) / 1e9 if cpus else None,
                 latent_gbps=latent_bytes(num_seqs, new, cached, heads) / wall / 1e9,
                 peak_gflops=peak, peak_fraction=fraction, bf16_peak_gflops=bf16_peak,
-                bf16_peak_fraction=(fraction * peak / bf16_peak
-                                    if bf16_peak and peak and fraction else None),
+                bf16_peak_fraction=of_peak(work, cpus, per_thread.get("bf16", [])),
             ))
             del copies
     return results
@@ -121,11 +128,11 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
 def print_table(results: list[dict]) -> None:
     r0 = results[0]
     kernel = f" ({r0['cpu_kernel']} kernels)" if r0["cpu_kernel"] else ""
+    bf16 = r0["bf16_peak_gflops"] is not None
     print(f"mla_attention, bf16, {r0['threads']} threads, {r0['device']}{kernel}; peak: FMA "
           "probe after every call (median, all threads); of peak: median over those pairs, per "
-          "CPU second" + (f"; bf16 dot-product peak {r0['bf16_peak_gflops']:.0f} GFLOP/s"
-                          if r0["bf16_peak_gflops"] else ""))
-    bf16 = r0["bf16_peak_gflops"] is not None
+          "CPU second" + ("; of bf16: the same against the bf16 dot-product probe, also after "
+                          "every call" if bf16 else ""))
     print(f"{'kind':>8} {'seqs x new + cached':>20} {'heads':>5} {'bs':>3} {'ms':>9} "
           f"{'GFLOP/s':>8} {'/CPU s':>7} {'GB/s':>6} {'peak':>6} {'of peak':>8}"
           + (f" {'of bf16':>8}" if bf16 else ""))

@@ -145,7 +145,7 @@ def test_deepseek_shapes(mla_backend, dtype, heads, mode):
         check(args)
 
 
-@pytest.mark.parametrize("shape", [(64, 16), (128, 64), (256, 32), (120, 80)], ids=str)
+@pytest.mark.parametrize("shape", [(64, 16), (80, 16), (128, 64), (256, 32), (120, 80)], ids=str)
 def test_kernel_ranks(mla_backend, shape):
     """Ranks and rotary widths on each padded rank of the tensor-core kernel (120 + 80 runs in
     the rank-256 one: its rope is wider than 64)."""
