@@ -163,6 +163,48 @@ inline vf4 hsum4(vf a0, vf a1, vf a2, vf a3) {
 #endif
 }
 
+// hsum8 and hsum4 over int32 vectors (the integer dot products' sums): added in int32, exactly,
+// then converted once, where converting each vector first cost a conversion a vector.
+#if PKV_ISA >= 1
+inline __m256i fold8(vi a) {  // the sum of a's two halves
+#if PKV_ISA >= 2
+  return _mm256_add_epi32(_mm512_castsi512_si256((__m512i)a),
+                          _mm512_extracti64x4_epi64((__m512i)a, 1));
+#else
+  return (__m256i)a;
+#endif
+}
+#endif
+[[gnu::always_inline]] inline vf8 hsum8(vi a0, vi a1, vi a2, vi a3, vi a4, vi a5, vi a6,
+                                        vi a7) {
+#if PKV_ISA >= 1
+  const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(fold8(a0), fold8(a1)),
+                                       _mm256_hadd_epi32(fold8(a2), fold8(a3)));
+  const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(fold8(a4), fold8(a5)),
+                                       _mm256_hadd_epi32(fold8(a6), fold8(a7)));
+  return (vf8)_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
+                                                  _mm256_permute2x128_si256(h0, h1, 0x31)));
+#else
+  const auto sum = [](vi v) {
+    int32_t x = 0;
+    for (int i = 0; i < W; ++i) x += v[i];
+    return static_cast<float>(x);
+  };
+  return vf8{sum(a0), sum(a1), sum(a2), sum(a3), sum(a4), sum(a5), sum(a6), sum(a7)};
+#endif
+}
+inline vf4 hsum4(vi a0, vi a1, vi a2, vi a3) {
+#if PKV_ISA >= 1
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(fold8(a0), fold8(a1)),
+                                      _mm256_hadd_epi32(fold8(a2), fold8(a3)));
+  return (vf4)_mm_cvtepi32_ps(
+      _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+#else
+  const vf8 x = hsum8(a0, a1, a2, a3, vi{}, vi{}, vi{}, vi{});
+  return vf4{x[0], x[1], x[2], x[3]};
+#endif
+}
+
 // IEEE half bits to float, exact (subnormals, inf and NaN included).
 inline vf half_to_float(vh h) {
 #if PKV_ISA >= 2
