@@ -5,13 +5,19 @@
 
 // dst = sum_i e^(lse_i - M) row_i / sum_i e^(lse_i - M) over count rows (row i at
 // rows + i * row_stride, its lse at lses[i * lse_stride]), M = max lse_i; returns the merged lse.
-// Rows with lse -inf (nothing attended) are skipped; all empty: dst = 0, lse -inf.
+// Rows with lse -inf (nothing attended) are skipped; all empty: dst = 0, lse -inf. An lse of NaN
+// (a NaN logit in that part) makes dst and the lse NaN, also where every part's is.
 inline float merge_rows(const float* rows, int64_t row_stride, const float* lses,
                         int64_t lse_stride, int count, int D, float* dst) {
   float m = kNegInf;
-  for (int i = 0; i < count; ++i) m = std::max(m, lses[i * lse_stride]);
+  bool nan = false;
+  for (int i = 0; i < count; ++i) {
+    const float lse = lses[i * lse_stride];
+    m = std::max(m, lse);
+    nan |= lse != lse;
+  }
   for (int d = 0; d < D; d += W) store(dst + d, splat(0.f));
-  if (m == kNegInf) return kNegInf;
+  if (m == kNegInf && !nan) return kNegInf;
   float total = 0.f;
   for (int i = 0; i < count; ++i) {
     const float lse = lses[i * lse_stride];

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import TC_TILES, Case, call, check, make_args, skip_what_auto_runs
+from attention_cases import (TC_TILES, Case, call, check, make_args, reference_outputs,
+                             skip_what_auto_runs)
 
 from pagedkv import ops
 from pagedkv.ops import reference
@@ -255,6 +256,48 @@ def test_a_nan_or_inf_in_a_query_leaves_the_other_rows_alone(backend, fmt, bad):
     spoiled = torch.zeros(args["out"].shape[:2], dtype=torch.bool)
     spoiled[1, 2] = True
     assert_same_bits(args["out"].cpu()[~spoiled], clean["out"].cpu()[~spoiled])
+
+
+# A cache's NaN, by format: None the bf16 cache, "e4m3" the per-tensor fp8 one, else per row.
+NAN_FORMATS = [None, "e4m3", *FORMATS]
+NAN_FORMAT_IDS = ["bf16", "fp8e4m3-tensor", *FORMAT_IDS]
+
+
+@pytest.mark.parametrize("fmt", NAN_FORMATS, ids=NAN_FORMAT_IDS)
+@pytest.mark.parametrize("where", ["query", "key"])
+@pytest.mark.parametrize("q_lens", [None, (4, 1)], ids=["decode", "varlen"])
+def test_cpu_a_nan_logit_makes_the_rows_it_reaches_nan(fmt, where, q_lens):
+    """A NaN in a query element, or in a K row (its element, or its scale), makes NaN exactly
+    the rows whose logits it reaches, out and lse, as in the reference: the CPU kernels' softmax
+    (e^NaN is NaN, not a clamped e^-87) and their split-K merge (an lse of NaN, also where
+    every partition's is) carry it. 3001 keys split sequence 0 across partitions. (The
+    CUDA-source kernels give such a row 0 and lse -inf: docs/quantized_kv.md.)"""
+    case = Case(dtype=torch.bfloat16, num_heads=8, num_kv_heads=2, head_size=128,
+                seq_lens=(3001, 37), q_lens=q_lens)
+    if fmt is None or fmt == "e4m3":
+        args = make_args(case.with_(cache_dtype=None if fmt is None else torch.float8_e4m3fn))
+    else:
+        args, _ = quantized_args(case, fmt, "cpu")
+    if where == "query":
+        args["query"][0, 2, 77] = float("nan")  # sequence 0's first row, kv head 1
+    else:  # key 3 of sequence 0, kv head 0: every row of heads 0-3 of sequence 0 sees it
+        block = args["block_tables"][0, 0]
+        kc = args["key_cache"]
+        if fmt is None:
+            kc[block, 0, 3, 5] = float("nan")
+        elif kc.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and fmt == "e4m3":
+            kc.view(torch.uint8)[block, 0, 3, 5] = 0x7F  # S.1111.111
+        else:
+            args["key_cache_scales"][block, 0, 3] = float("nan")
+    call(ops.paged_attention, args)
+    ref_out, ref_lse = reference_outputs(args, torch.float64)
+    nan_rows = ref_out.isnan().any(-1)
+    assert nan_rows.any() and not nan_rows.all()
+    assert torch.equal(args["out"].isnan().any(-1), nan_rows)
+    assert torch.equal(args["out"].isnan().all(-1), nan_rows)
+    assert torch.equal(args["lse_out"].isnan(), ref_lse.isnan())
+    torch.testing.assert_close(args["out"].double()[~nan_rows], ref_out[~nan_rows],
+                               atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
