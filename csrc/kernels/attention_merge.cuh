@@ -13,10 +13,16 @@ namespace attn {
 constexpr int kMergeThreads = 128;
 
 // Weights of n partial states with log-sum-exps lse[0..n): w_i = exp(lse_i - lse), where
-// lse = log(sum_i exp(lse_i)); states with lse = -inf (no keys) get weight 0.
+// lse = log(sum_i exp(lse_i)); states with lse = -inf (no keys) get weight 0. An lse of NaN (a
+// NaN logit in that state) makes the merged lse NaN (fmaxf alone would drop it).
 __device__ __forceinline__ float merged_lse(const float* lse, int n, int stride) {
   float m = -INFINITY;
-  for (int i = 0; i < n; ++i) m = fmaxf(m, lse[i * stride]);
+  bool nan = false;
+  for (int i = 0; i < n; ++i) {
+    m = fmaxf(m, lse[i * stride]);
+    nan |= isnan(lse[i * stride]);
+  }
+  if (nan) return NAN;
   if (m == -INFINITY) return -INFINITY;
   float sum = 0.f;
   for (int i = 0; i < n; ++i) sum += expf(lse[i * stride] - m);
@@ -41,14 +47,20 @@ __global__ void __launch_bounds__(kMergeThreads)
     const int lane = threadIdx.x;
     float x[kAttnMaxParts / 32];
     float m = -INFINITY;
+    int nan = 0;  // a partition's lse of NaN (a NaN logit) makes the merged row NaN
 #pragma unroll
     for (int j = 0; j < kAttnMaxParts / 32; ++j) {
       const int i = lane + 32 * j;
       x[j] = i < n ? load(lse + i, "workspace") : -INFINITY;
       m = fmaxf(m, x[j]);
+      nan |= isnan(x[j]);
     }
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    for (int o = 16; o > 0; o /= 2) {
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+    }
+    if (nan) m = NAN;  // every weight and the lse NaN (fmaxf dropped it)
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < kAttnMaxParts / 32; ++j) {
@@ -80,7 +92,8 @@ __global__ void __launch_bounds__(kMergeThreads)
     float o = 0.f;
     for (int i = 0; i < n; ++i) {
       const float w = weight[i];
-      if (w > 0.f) o += w * load(partial + i * p.head_size_v + d, "workspace");
+      // (a weight of NaN: a NaN logit in the row, which the output keeps)
+      if (!(w <= 0.f)) o += w * load(partial + i * p.head_size_v + d, "workspace");
     }
     store(out + d, from_float<T>(o), "out");
   }
@@ -112,8 +125,8 @@ __global__ void __launch_bounds__(kMergeThreads) merge_attn_states_kernel(const 
   T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
   for (int d = threadIdx.x; d < p.head_size; d += kMergeThreads) {
     // The rows of an empty part (weight 0) are never read: they may hold anything.
-    const float o = (wp > 0.f ? wp * to_float(load(prefix + d, "state")) : 0.f) +
-                    (ws > 0.f ? ws * to_float(load(suffix + d, "state")) : 0.f);
+    const float o = (!(wp <= 0.f) ? wp * to_float(load(prefix + d, "state")) : 0.f) +
+                    (!(ws <= 0.f) ? ws * to_float(load(suffix + d, "state")) : 0.f);
     store(out + d, from_float<T>(o), "out");
   }
   if (threadIdx.x == 0 && p.out_lse != nullptr) {

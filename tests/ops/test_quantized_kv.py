@@ -12,8 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import (TC_TILES, Case, call, check, make_args, reference_outputs,
-                             skip_what_auto_runs)
+from attention_cases import (
+    TC_TILES,
+    Case,
+    call,
+    check,
+    make_args,
+    reference_outputs,
+    skip_what_auto_runs,
+    to_device,
+)
 
 from pagedkv import ops
 from pagedkv.ops import reference
@@ -266,12 +274,13 @@ NAN_FORMAT_IDS = ["bf16", "fp8e4m3-tensor", *FORMAT_IDS]
 @pytest.mark.parametrize("fmt", NAN_FORMATS, ids=NAN_FORMAT_IDS)
 @pytest.mark.parametrize("where", ["query", "key"])
 @pytest.mark.parametrize("q_lens", [None, (4, 1)], ids=["decode", "varlen"])
-def test_cpu_a_nan_logit_makes_the_rows_it_reaches_nan(fmt, where, q_lens):
+def test_a_nan_logit_makes_the_rows_it_reaches_nan(attention_backend, fmt, where, q_lens):
     """A NaN in a query element, or in a K row (its element, or its scale), makes NaN exactly
-    the rows whose logits it reaches, out and lse, as in the reference: the CPU kernels' softmax
-    (e^NaN is NaN, not a clamped e^-87) and their split-K merge (an lse of NaN, also where
-    every partition's is) carry it. 3001 keys split sequence 0 across partitions. (The
-    CUDA-source kernels give such a row 0 and lse -inf: docs/quantized_kv.md.)"""
+    the rows whose logits it reaches, out and lse, as in the reference, and no others: the
+    softmax's exp of NaN is NaN (not a clamped e^-87: the CPU), a NaN row sum is not "saw no
+    key" (0 and lse -inf: the CUDA kernels), and split-K merges keep an lse of NaN, also where
+    every partition's is. 3001 keys split sequence 0 across partitions."""
+    backend = attention_backend
     case = Case(dtype=torch.bfloat16, num_heads=8, num_kv_heads=2, head_size=128,
                 seq_lens=(3001, 37), q_lens=q_lens)
     if fmt is None or fmt == "e4m3":
@@ -282,22 +291,22 @@ def test_cpu_a_nan_logit_makes_the_rows_it_reaches_nan(fmt, where, q_lens):
         args["query"][0, 2, 77] = float("nan")  # sequence 0's first row, kv head 1
     else:  # key 3 of sequence 0, kv head 0: every row of heads 0-3 of sequence 0 sees it
         block = args["block_tables"][0, 0]
-        kc = args["key_cache"]
         if fmt is None:
-            kc[block, 0, 3, 5] = float("nan")
-        elif kc.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and fmt == "e4m3":
-            kc.view(torch.uint8)[block, 0, 3, 5] = 0x7F  # S.1111.111
+            args["key_cache"][block, 0, 3, 5] = float("nan")
+        elif fmt == "e4m3":
+            args["key_cache"].view(torch.uint8)[block, 0, 3, 5] = 0x7F  # S.1111.111
         else:
             args["key_cache_scales"][block, 0, 3] = float("nan")
-    call(ops.paged_attention, args)
     ref_out, ref_lse = reference_outputs(args, torch.float64)
+    args = to_device(args, backend.device)
+    call(backend.ops.paged_attention, args)
+    out, lse = args["out"].cpu().double(), args["lse_out"].cpu()
     nan_rows = ref_out.isnan().any(-1)
     assert nan_rows.any() and not nan_rows.all()
-    assert torch.equal(args["out"].isnan().any(-1), nan_rows)
-    assert torch.equal(args["out"].isnan().all(-1), nan_rows)
-    assert torch.equal(args["lse_out"].isnan(), ref_lse.isnan())
-    torch.testing.assert_close(args["out"].double()[~nan_rows], ref_out[~nan_rows],
-                               atol=2e-2, rtol=2e-2)
+    assert torch.equal(out.isnan().any(-1), nan_rows)
+    assert torch.equal(out.isnan().all(-1), nan_rows)
+    assert torch.equal(lse.isnan(), ref_lse.isnan())
+    torch.testing.assert_close(out[~nan_rows], ref_out[~nan_rows], atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)

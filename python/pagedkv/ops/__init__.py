@@ -369,9 +369,10 @@ def mla_attention(
 
 def cpu_attention_kernel(head_size: int = 128) -> str:
     """The CPU attention kernels the ops run on this processor for ``head_size``: ``"base"``,
-    ``"avx2"``, ``"avx512"`` or ``"avx512bf16"`` (AVX-512 with AVX512_BF16 and VNNI: integer
-    dot products for int8 and int4 decode, bfloat16 prefill on ``vdpbf16ps`` where
-    :func:`cpu_bf16_dot_products` says so).
+    ``"avx2"``, ``"avx512"`` or ``"avx512bf16"`` (AVX-512 with AVX512_BF16 and VNNI: bfloat16
+    prefill on ``vdpbf16ps`` where :func:`cpu_bf16_dot_products` says so). int8 and int4 decode
+    under 16-bit queries takes integer dot products in the avx512bf16 (``vpdpwssd``) and avx2
+    (``vpmaddwd``) kernels.
 
     The answer of the extension's own run-time dispatch (csrc/cpu/attention.cpp): the widest
     instruction set the processor has (AVX2 needs FMA and F16C too; the AVX-512 sets are used only
