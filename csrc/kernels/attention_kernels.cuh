@@ -423,9 +423,8 @@ __global__ void __launch_bounds__(kThreads, TokensPerGroup<C, HEAD>::kMinBlocksP
       o += wt * acc_smem[(w * kRows + r) * HEAD + d];
       sum += wt * l_smem[w * kRows + r];
     }
-    // !(sum <= 0): a row that saw keys, or a NaN sum (a NaN logit), which stays NaN
-    o = !(sum <= 0.f) ? o / sum * v_scale : 0.f;
-    const float lse = !(sum <= 0.f) ? (m_all + log2f(sum)) * kLn2 : -INFINITY;
+    o = counts(sum) ? o / sum * v_scale : 0.f;
+    const float lse = counts(sum) ? (m_all + log2f(sum)) * kLn2 : -INFINITY;
     put_result<T>(p, plan, row_token[r], row_head[r], tile.part, lse, d, o);
   }
 }

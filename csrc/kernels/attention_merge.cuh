@@ -12,6 +12,11 @@ namespace attn {
 
 constexpr int kMergeThreads = 128;
 
+// Whether a row sum or a merge weight x counts: positive, or NaN (a NaN logit: fmaxf skips it
+// in the running max, exp2f and the sums carry it, and the row's output and lse must be NaN, as
+// in the reference). 0 is a row that saw no key, or a part of weight 0, whose rows are not read.
+__device__ __forceinline__ bool counts(float x) { return !(x <= 0.f); }
+
 // Weights of n partial states with log-sum-exps lse[0..n): w_i = exp(lse_i - lse), where
 // lse = log(sum_i exp(lse_i)); states with lse = -inf (no keys) get weight 0. An lse of NaN (a
 // NaN logit in that state) makes the merged lse NaN (fmaxf alone would drop it).
@@ -92,8 +97,7 @@ __global__ void __launch_bounds__(kMergeThreads)
     float o = 0.f;
     for (int i = 0; i < n; ++i) {
       const float w = weight[i];
-      // (a weight of NaN: a NaN logit in the row, which the output keeps)
-      if (!(w <= 0.f)) o += w * load(partial + i * p.head_size_v + d, "workspace");
+      if (counts(w)) o += w * load(partial + i * p.head_size_v + d, "workspace");
     }
     store(out + d, from_float<T>(o), "out");
   }
@@ -125,8 +129,8 @@ __global__ void __launch_bounds__(kMergeThreads) merge_attn_states_kernel(const 
   T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
   for (int d = threadIdx.x; d < p.head_size; d += kMergeThreads) {
     // The rows of an empty part (weight 0) are never read: they may hold anything.
-    const float o = (!(wp <= 0.f) ? wp * to_float(load(prefix + d, "state")) : 0.f) +
-                    (!(ws <= 0.f) ? ws * to_float(load(suffix + d, "state")) : 0.f);
+    const float o = (counts(wp) ? wp * to_float(load(prefix + d, "state")) : 0.f) +
+                    (counts(ws) ? ws * to_float(load(suffix + d, "state")) : 0.f);
     store(out + d, from_float<T>(o), "out");
   }
   if (threadIdx.x == 0 && p.out_lse != nullptr) {

@@ -38,6 +38,7 @@ namespace PAGEDKV_KERNEL_NS {
 namespace attn_mla {
 
 using attn::AttentionTile;
+using attn::counts;
 using attn::kFullMask;
 using attn::kLn2;
 using attn::kLog2e;
@@ -336,9 +337,8 @@ __global__ void __launch_bounds__(64 * WM, 1)
   for (int h = 0; h < 2; ++h) {
     if (row[h] >= rows) continue;
     const float sum = l[h] + red[(1 - side) * kBM + row[h]];
-    // !(x <= 0): a row that saw keys, or a NaN sum (a NaN logit), which stays NaN
-    const float inv = (!(lr[2 * h] <= 0.f) ? __frcp_rn(lr[2 * h]) : 0.f) * v_scale;
-    const float lse = !(sum <= 0.f) ? (m[h] + log2f(sum)) * kLn2 : -INFINITY;
+    const float inv = (counts(lr[2 * h]) ? __frcp_rn(lr[2 * h]) : 0.f) * v_scale;
+    const float lse = counts(sum) ? (m[h] + log2f(sum)) * kLn2 : -INFINITY;
     const OutRow<T> dst(p, plan, tile.token(row[h]), tile.head(row[h]), tile.part, lse);
 #pragma unroll
     for (int d = 0; d < Cfg::kHalfCols / 8; ++d) {

@@ -51,6 +51,7 @@ namespace PAGEDKV_KERNEL_NS {
 namespace attn_tc {
 
 using attn::AttentionTile;
+using attn::counts;
 using attn::kFullMask;
 using attn::kLn2;
 using attn::kLog2e;
@@ -323,9 +324,8 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
     for (int h = 0; h < 2; ++h) {
       const int r = warp_m * 16 + lane / 4 + 8 * h;
       if (r < rows) {
-        // !(x <= 0): a row that saw keys, or a NaN sum (a NaN logit), which stays NaN
-        const float inv = !(lr[2 * h] <= 0.f) ? __frcp_rn(lr[2 * h]) : 0.f;
-        const float lse = !(l[h] <= 0.f) ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
+        const float inv = counts(lr[2 * h]) ? __frcp_rn(lr[2 * h]) : 0.f;
+        const float lse = counts(l[h]) ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
         const OutRow<T> dst(p, plan, tile.token(r), tile.head(r), tile.part, lse);
 #pragma unroll
         for (int d = 0; d < HEAD / 8; ++d) {
@@ -377,8 +377,8 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
         sum += wt * l_smem[w * 16 + r];
         sum_r += wt * lr_smem[w * 16 + r];
       }
-      const float inv = (!(sum_r <= 0.f) ? __frcp_rn(sum_r) : 0.f) * v_scale;
-      const float lse = !(sum <= 0.f) ? (m_all + log2f(sum)) * kLn2 : -INFINITY;
+      const float inv = (counts(sum_r) ? __frcp_rn(sum_r) : 0.f) * v_scale;
+      const float lse = counts(sum) ? (m_all + log2f(sum)) * kLn2 : -INFINITY;
       const OutRow<T> dst(p, plan, tile.token(r), tile.head(r), tile.part, lse);
       dst.put(d, o0 * inv);
       dst.put(d + 1, o1 * inv);
