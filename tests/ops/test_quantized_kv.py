@@ -310,8 +310,10 @@ def test_a_nan_logit_makes_the_rows_it_reaches_nan(attention_backend, fmt, where
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+# (24, 12): more kv heads than the CPU decode gathers scales for at once (8)
 @pytest.mark.parametrize("block_size,heads,head_size", [(1, (4, 4), 64), (17, (12, 3), 80),
-                                                        (64, (32, 8), 128), (16, (8, 1), 256)])
+                                                        (64, (32, 8), 128), (16, (8, 1), 256),
+                                                        (5, (24, 12), 64)])
 def test_block_sizes_heads_and_head_sizes(backend, fmt, block_size, heads, head_size):
     run(backend, Case(dtype=torch.float16, block_size=block_size, num_heads=heads[0],
                       num_kv_heads=heads[1], head_size=head_size, seq_lens=(3, 130, 77)), fmt)
