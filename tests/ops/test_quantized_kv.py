@@ -320,6 +320,16 @@ def test_block_sizes_heads_and_head_sizes(backend, fmt, block_size, heads, head_
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("head_size", [80, 192])
+def test_varlen_head_sizes(backend, fmt, head_size):
+    """Varlen items (the CPU's prefill path) at head sizes whose rows it converts to bfloat16 in
+    a tail alone (80) and in 128-element steps and a tail (192; int4 through a table of the
+    values' codes)."""
+    run(backend, Case(dtype=torch.bfloat16, head_size=head_size, num_heads=8, num_kv_heads=2)
+        .with_(**VARLEN), fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_strided_layouts(backend, fmt, layout):
     run(backend, Case(layout=layout, dtype=torch.bfloat16).with_(**VARLEN), fmt)
