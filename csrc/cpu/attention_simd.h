@@ -297,6 +297,20 @@ inline vf load_float(const e4m3_t* p) {
   return (x & 0x7F) == 0x7F ? splat(__builtin_nanf("")) : f;
 }
 
+#if PKV_ISA == 3
+// The 128 nibbles of 64 bytes of an int4 row as bytes (their codes, 0..15), in element order:
+// out[0] elements 0-63, out[1] 64-127. For unpack_int4 and the prefill's bfloat16 rows.
+[[gnu::always_inline]] inline void i4_codes(__m512i x, __m512i* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i lo = _mm512_and_si512(x, low4);
+  const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+  // per 128-bit lane: elements 0-31 of its 16 bytes in a, b; put back in lane order
+  const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
+  out[0] = _mm512_permutex2var_epi64(a, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), b);
+  out[1] = _mm512_permutex2var_epi64(a, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), b);
+}
+#endif
+
 // The 2n signed 4-bit elements of n bytes of an int4 row as int8, in element order: each half
 // of a byte through a 16-entry table (vpshufb: nibble -> its signed value), the two halves
 // interleaved, 64 bytes at a time with AVX-512BW, 32 with AVX2; SSE2's 16 by masks and shifts.
@@ -306,17 +320,12 @@ inline void unpack_int4(const i4x2_t* src, int n, int8_t* dst) {
   const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
 #if PKV_ISA == 3
   {
-    const __m512i lut = _mm512_broadcast_i32x4(table), low4 = _mm512_set1_epi8(0x0F);
-    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    const __m512i lut = _mm512_broadcast_i32x4(table);
     for (; i + 64 <= n; i += 64) {
-      const __m512i x = load_raw<__m512i>(src + i);
-      const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(x, low4));
-      const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(x, 4), low4));
-      // per 128-bit lane: elements 0-31 of its 16 bytes in a, b; put back in lane order
-      const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
-      _mm512_storeu_si512(dst + 2 * i, _mm512_permutex2var_epi64(a, first, b));
-      _mm512_storeu_si512(dst + 2 * i + 64, _mm512_permutex2var_epi64(a, second, b));
+      __m512i e[2];
+      i4_codes(load_raw<__m512i>(src + i), e);
+      _mm512_storeu_si512(dst + 2 * i, _mm512_shuffle_epi8(lut, e[0]));
+      _mm512_storeu_si512(dst + 2 * i + 64, _mm512_shuffle_epi8(lut, e[1]));
     }
   }
 #endif
