@@ -427,6 +427,11 @@ int main(int argc, char** argv) {
        false, DType::kInt4},
       {"int4 gqa8 d128 bs16 alibi", 16, 2, 128, 16, {259, 47}, {1, 47}, -1, 0.f, true, 0,
        false, DType::kInt4},
+      // plain decode in quads, head sizes a multiple of 128: avx512bf16's S with a key a lane
+      {"int4 gqa4 d128 bs16", 32, 8, 128, 16, {301, 64, 9, 1000}, {301, 1, 9, 1}, -1, 0.f,
+       false, 0, false, DType::kInt4},
+      {"int4 gqa4 d256 bs16", 8, 2, 256, 16, {259, 47}, {1, 1}, -1, 0.f, false, 0, false,
+       DType::kInt4},
   };
   std::mt19937 rng(2026);
   int bad = 0;
