@@ -71,11 +71,18 @@ inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 // Asks for the cache lines of [p, p + bytes) ahead of their use, into L1 (or, prefetch_l2,
 // into L2 only: for more lines than L1 holds beside the work at hand; prefetcht1, which Zen 3
 // fills into L1 all the same, and Zen 4 and Intel into L2).
+// The lines of `bytes` (> 0) from p: the first outright, the loop from the second, so that a row
+// of one line (int4 at head size 128) takes no loop (a loop from the first, over a size known
+// at run time, cost int8 and bf16 decode about 3% on a Zen 5).
 inline void prefetch(const void* p, int bytes) {
-  for (int i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 3);
+  const char* at = static_cast<const char*>(p);
+  __builtin_prefetch(at, 0, 3);
+  for (int i = 64; i < bytes; i += 64) __builtin_prefetch(at + i, 0, 3);
 }
 inline void prefetch_l2(const void* p, int bytes) {
-  for (int i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 2);
+  const char* at = static_cast<const char*>(p);
+  __builtin_prefetch(at, 0, 2);
+  for (int i = 64; i < bytes; i += 64) __builtin_prefetch(at + i, 0, 2);
 }
 
 inline vi iota() {
