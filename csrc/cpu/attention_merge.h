@@ -50,7 +50,7 @@ inline void merge_partials(const PagedAttentionParams& p, const WorkItem* items,
 
 inline void merge_attn_states(const MergeAttnParams& p, int64_t row_begin, int64_t row_end) {
   const int D = p.head_size;
-  const int64_t bytes = elem_bytes(p.dtype);
+  const int64_t bytes = elem_bytes(p.state_dtype), out_bytes = elem_bytes(p.dtype);
   float parts[2][kMaxAttentionHeadSize], merged[kMaxAttentionHeadSize];
   for (int64_t row = row_begin; row < row_end; ++row) {
     const int64_t t = row / p.num_heads, h = row % p.num_heads;
@@ -58,8 +58,8 @@ inline void merge_attn_states(const MergeAttnParams& p, int64_t row_begin, int64
                          (t * p.prefix_token_stride + h * p.prefix_head_stride) * bytes;
     const char* suffix = static_cast<const char*>(p.suffix_out) +
                          (t * p.suffix_token_stride + h * p.suffix_head_stride) * bytes;
-    load_row(p.dtype, prefix, D, 1.f, parts[0]);
-    load_row(p.dtype, suffix, D, 1.f, parts[1]);
+    load_row(p.state_dtype, prefix, D, 1.f, parts[0]);
+    load_row(p.state_dtype, suffix, D, 1.f, parts[1]);
     // An lse of +inf marks an empty part too (FlashAttention-3 and vLLM mark empty splits so):
     // it is read as -inf, like the CUDA kernel does.
     float lses[2] = {p.prefix_lse[t * p.prefix_lse_token_stride + h * p.prefix_lse_head_stride],
@@ -68,7 +68,8 @@ inline void merge_attn_states(const MergeAttnParams& p, int64_t row_begin, int64
       if (x == -kNegInf) x = kNegInf;
     }
     const float lse = merge_rows(&parts[0][0], kMaxAttentionHeadSize, lses, 1, 2, D, merged);
-    char* out = static_cast<char*>(p.out) + (t * p.out_token_stride + h * p.out_head_stride) * bytes;
+    char* out =
+        static_cast<char*>(p.out) + (t * p.out_token_stride + h * p.out_head_stride) * out_bytes;
     store_row(p.dtype, merged, D, out);
     if (p.out_lse) p.out_lse[t * p.out_lse_token_stride + h * p.out_lse_head_stride] = lse;
   }

@@ -196,12 +196,15 @@ inline DType check_rows(const at::Tensor& t, const char* op, const char* name) {
   return dtype_of(t, op, name);
 }
 
+// t has ref's shape, device and dtype; float_ok: or float32 (unrounded rows beside 16-bit ones).
 inline void check_like(const at::Tensor& t, const at::Tensor& ref, const char* op,
-                       const char* name, const char* ref_name) {
+                       const char* name, const char* ref_name, bool float_ok = false) {
   TORCH_CHECK(t.sizes() == ref.sizes(), op, ": ", name, " must have ", ref_name, "'s shape ",
               ref.sizes(), ", got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have ", ref_name,
-              "'s dtype ", ref.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type() || (float_ok && t.scalar_type() == at::kFloat),
+              op, ": ", name, " must have ", ref_name, "'s dtype ", ref.scalar_type(),
+              float_ok && ref.scalar_type() != at::kFloat ? " or be float32" : "", ", got ",
+              t.scalar_type());
   check_device(t, ref, op, name, ref_name);
 }
 

@@ -6,6 +6,8 @@
 #include "kernels/dtypes.cuh"
 #include "kernels/memory.cuh"
 
+#include <type_traits>
+
 namespace pagedkv {
 namespace PAGEDKV_KERNEL_NS {
 namespace attn {
@@ -33,6 +35,29 @@ __device__ __forceinline__ float merged_lse(const float* lse, int n, int stride)
   for (int i = 0; i < n; ++i) sum += expf(lse[i * stride] - m);
   return m + logf(sum);
 }
+
+// Element d of a row of T elements, or of floats where `wide` (T 16-bit: a float32 out, the
+// rows unrounded; PagedAttentionParams::float_out, MergeAttnParams::state_dtype), as a float.
+template <typename T>
+struct RowOf {
+  void* row;
+  bool wide;
+  __device__ __forceinline__ RowOf(void* base, int64_t offset, bool wide_)
+      : row(wide_ ? static_cast<void*>(static_cast<float*>(base) + offset)
+                  : static_cast<void*>(static_cast<T*>(base) + offset)),
+        wide(wide_ && !std::is_same_v<T, float>) {}
+  __device__ __forceinline__ void put(int d, float x, const char* tag) const {
+    if (wide) {
+      store(static_cast<float*>(row) + d, x, tag);
+    } else {
+      store(static_cast<T*>(row) + d, from_float<T>(x), tag);
+    }
+  }
+  __device__ __forceinline__ float get(int d, const char* tag) const {
+    return wide ? load(static_cast<const float*>(row) + d, tag)
+                : to_float(load(static_cast<const T*>(row) + d, tag));
+  }
+};
 
 // Split-K reduce: out = sum_p exp(lse_p - lse) * partial_p. The merged lse and the partitions'
 // weights are computed once per block (warp 0, into shared memory), not by every thread.
@@ -91,7 +116,7 @@ __global__ void __launch_bounds__(kMergeThreads)
     if (lane == 0) merged = total;
   }
   __syncthreads();
-  T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
+  const RowOf<T> out(p.out, token * p.out_token_stride + head * p.out_head_stride, p.float_out);
   const float* partial = plan.tmp_out + row * n * p.head_size_v;
   for (int d = threadIdx.x; d < p.head_size_v; d += kMergeThreads) {
     float o = 0.f;
@@ -99,7 +124,7 @@ __global__ void __launch_bounds__(kMergeThreads)
       const float w = weight[i];
       if (counts(w)) o += w * load(partial + i * p.head_size_v + d, "workspace");
     }
-    store(out + d, from_float<T>(o), "out");
+    out.put(d, o, "out");
   }
   if (threadIdx.x == 0 && p.lse_out != nullptr) {
     store(p.lse_out + token * p.lse_token_stride + head * p.lse_head_stride, merged, "lse");
@@ -122,15 +147,16 @@ __global__ void __launch_bounds__(kMergeThreads) merge_attn_states_kernel(const 
   const float total = merged_lse(lse, 2, 1);
   const float wp = total == -INFINITY ? 0.f : expf(lse[0] - total);
   const float ws = total == -INFINITY ? 0.f : expf(lse[1] - total);
-  const T* prefix = static_cast<const T*>(p.prefix_out) + token * p.prefix_token_stride +
-                   head * p.prefix_head_stride;
-  const T* suffix = static_cast<const T*>(p.suffix_out) + token * p.suffix_token_stride +
-                   head * p.suffix_head_stride;
+  const bool wide = p.state_dtype == DType::kFloat32;
+  const RowOf<T> prefix(const_cast<void*>(p.prefix_out),
+                        token * p.prefix_token_stride + head * p.prefix_head_stride, wide);
+  const RowOf<T> suffix(const_cast<void*>(p.suffix_out),
+                        token * p.suffix_token_stride + head * p.suffix_head_stride, wide);
   T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
   for (int d = threadIdx.x; d < p.head_size; d += kMergeThreads) {
     // The rows of an empty part (weight 0) are never read: they may hold anything.
-    const float o = (counts(wp) ? wp * to_float(load(prefix + d, "state")) : 0.f) +
-                    (counts(ws) ? ws * to_float(load(suffix + d, "state")) : 0.f);
+    const float o = (counts(wp) ? wp * prefix.get(d, "state") : 0.f) +
+                    (counts(ws) ? ws * suffix.get(d, "state") : 0.f);
     store(out + d, from_float<T>(o), "out");
   }
   if (threadIdx.x == 0 && p.out_lse != nullptr) {

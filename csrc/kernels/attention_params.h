@@ -34,7 +34,8 @@ constexpr int32_t kMaxAttentionHeadSize = 512;   // head sizes: multiples of 8 u
 constexpr int32_t kMaxAttentionBlockSize = 256;
 
 struct PagedAttentionParams {
-  void* out;                       // [num_tokens, num_heads, head_size_v], dtype
+  void* out;                       // [num_tokens, num_heads, head_size_v], dtype (or float32:
+                                   // float_out)
   const void* query;               // [num_tokens, num_heads, head_size], dtype
   int64_t out_token_stride, out_head_stride;  // elements; head_size dim contiguous
   int64_t q_token_stride, q_head_stride;
@@ -66,6 +67,8 @@ struct PagedAttentionParams {
                                    // with key_scales and value_scales, or kInt8 / kInt4 with
                                    // key_scales and value_scales
   bool causal = true;              // false: every query at position seq_len - 1 (see above)
+  bool float_out = false;          // out is float32 under a 16-bit dtype: its rows unrounded,
+                                   // parts for merge_attn_states (a cascade's two levels)
 
   // Position of query qi (0-based within its sequence's q_len queries).
 #if defined(__CUDACC__)
@@ -98,9 +101,9 @@ inline SinkedRow sink_row(float lse, float sink) {
 struct MergeAttnParams {
   void* out;                       // [num_tokens, num_heads, head_size], dtype
   float* out_lse;                  // [num_tokens, num_heads] float32, or nullptr
-  const void* prefix_out;          // [num_tokens, num_heads, head_size], dtype
+  const void* prefix_out;          // [num_tokens, num_heads, head_size], state_dtype
   const float* prefix_lse;         // [num_tokens, num_heads] float32
-  const void* suffix_out;          // [num_tokens, num_heads, head_size], dtype
+  const void* suffix_out;          // [num_tokens, num_heads, head_size], state_dtype
   const float* suffix_lse;         // [num_tokens, num_heads] float32
   int64_t out_token_stride, out_head_stride;  // elements; head_size dim contiguous
   int64_t prefix_token_stride, prefix_head_stride;
@@ -111,6 +114,7 @@ struct MergeAttnParams {
   int64_t num_tokens;
   int32_t num_heads, head_size;
   DType dtype;
+  DType state_dtype;               // of prefix_out and suffix_out: dtype, or kFloat32
 };
 
 }  // namespace pagedkv

@@ -201,18 +201,18 @@ __device__ __forceinline__ float query_elem(const PagedAttentionParams& p, int64
 // adds the sink once. Every write is a store().
 template <typename T>
 struct OutRow {
-  T* out = nullptr;          // one partition: the row of out
-  float* partial = nullptr;  // several: the row's partial output in the workspace
-  float* lse = nullptr;      // lse_out's element (or nullptr) / the workspace's lse
-  float keep = 1.f;          // the sink's factor of a final row's output
-  float row_lse;             // what put_lse writes: the row's lse, with the sink when final
+  RowOf<T> out{nullptr, 0, false};  // one partition: the row of out (floats: p.float_out)
+  float* partial = nullptr;          // several: the row's partial output in the workspace
+  float* lse = nullptr;              // lse_out's element (or nullptr) / the workspace's lse
+  float keep = 1.f;                  // the sink's factor of a final row's output
+  float row_lse;                     // what put_lse writes: the row's lse, with the sink when final
 
   // lse: the row's log-sum-exp over its keys (natural log; -inf when it saw none).
   __device__ __forceinline__ OutRow(const PagedAttentionParams& p, const AttentionPlan& plan,
                                     int64_t token, int head, int part, float row_lse_)
       : row_lse(row_lse_) {
     if (plan.num_parts == 1) {
-      out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride;
+      out = RowOf<T>(p.out, token * p.out_token_stride + head * p.out_head_stride, p.float_out);
       if (p.lse_out != nullptr) {
         lse = p.lse_out + token * p.lse_token_stride + head * p.lse_head_stride;
       }
@@ -232,7 +232,7 @@ struct OutRow {
     if (partial != nullptr) {
       store(partial + d, x, "workspace");
     } else {
-      store(out + d, from_float<T>(x * keep), "out");
+      out.put(d, x * keep, "out");
     }
   }
   __device__ __forceinline__ void put_lse() const {

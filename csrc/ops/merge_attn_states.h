@@ -21,10 +21,14 @@ inline MergeAttnParams merge_attn_states_params(const at::Tensor& out,
                                                 const at::Tensor& suffix_lse) {
   constexpr const char* op = "merge_attn_states";
   const DType dtype = check_rows(out, op, "out");
-  check_rows(prefix_out, op, "prefix_out");
+  // The parts: out's dtype, or float32 (paged_attention's unrounded rows of a 16-bit query)
+  const DType state_dtype = check_rows(prefix_out, op, "prefix_out");
   check_rows(suffix_out, op, "suffix_out");
-  check_like(prefix_out, out, op, "prefix_out", "out");
-  check_like(suffix_out, out, op, "suffix_out", "out");
+  check_like(prefix_out, out, op, "prefix_out", "out", /*float_ok=*/true);
+  check_like(suffix_out, out, op, "suffix_out", "out", /*float_ok=*/true);
+  TORCH_CHECK(suffix_out.scalar_type() == prefix_out.scalar_type(), op,
+              ": suffix_out must have prefix_out's dtype ", prefix_out.scalar_type(), ", got ",
+              suffix_out.scalar_type());
   const int64_t num_tokens = out.size(0), num_heads = out.size(1);
   check_lse(prefix_lse, num_tokens, num_heads, out, op, "prefix_lse");
   check_lse(suffix_lse, num_tokens, num_heads, out, op, "suffix_lse");
@@ -56,6 +60,7 @@ inline MergeAttnParams merge_attn_states_params(const at::Tensor& out,
   p.num_heads = to_int32(num_heads, op, "num_heads");
   p.head_size = to_int32(out.size(2), op, "head_size");
   p.dtype = dtype;
+  p.state_dtype = state_dtype;
   return p;
 }
 

@@ -41,8 +41,11 @@ inline PagedAttentionParams mla_attention_params(
   TORCH_CHECK(out.size(0) == num_tokens && out.size(1) == num_heads, op,
               ": out must be [num_tokens, num_heads, kv_lora_rank] with query's num_tokens = ",
               num_tokens, " and num_heads = ", num_heads, ", got ", out.sizes());
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": out must have query's dtype ",
-              query.scalar_type(), ", got ", out.scalar_type());
+  // query's dtype, or float32 under a 16-bit query (its rows unrounded, to be merged)
+  const bool float_out = out.scalar_type() == at::kFloat && dtype != DType::kFloat32;
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() || float_out, op,
+              ": out must have query's dtype ", query.scalar_type(),
+              dtype != DType::kFloat32 ? " or be float32" : "", ", got ", out.scalar_type());
   check_device(out, query, op, "out", "query");
   TORCH_CHECK(rank >= 8 && rank % 8 == 0 && rank <= kMaxAttentionHeadSize, op,
               ": kv_lora_rank (out.size(2)) must be a multiple of 8 in [8, ",
@@ -86,6 +89,7 @@ inline PagedAttentionParams mla_attention_params(
   p.sliding_window = -1;
   p.scale = static_cast<float>(scale);
   p.dtype = dtype;
+  p.float_out = float_out;
   p.cache_dtype = dtype_of(kv_cache, op, "kv_cache");
   check_attention_indices(p, block_tables, seq_lens, query_start_loc, op);
   return p;

@@ -131,7 +131,9 @@ inline PagedAttentionParams paged_attention_params(
     const c10::optional<at::Tensor>& value_cache_scales, bool causal) {
   constexpr const char* op = "paged_attention";
   const DType dtype = check_rows(query, op, "query");
-  check_like(out, query, op, "out", "query");
+  // out: query's dtype, or float32 under a 16-bit query (its rows unrounded, to be merged)
+  const bool float_out = out.scalar_type() == at::kFloat && dtype != DType::kFloat32;
+  check_like(out, query, op, "out", "query", /*float_ok=*/true);
   TORCH_CHECK(out.stride(2) == 1 || out.size(2) <= 1, op,
               ": out must have a contiguous last (head_size) dim, got strides ", out.strides());
   check_cache_pair(key_cache, value_cache, op);
@@ -204,6 +206,7 @@ inline PagedAttentionParams paged_attention_params(
   p.soft_cap = static_cast<float>(soft_cap);
   p.dtype = dtype;
   p.cache_dtype = cache_dtype;
+  p.float_out = float_out;
   p.causal = causal;
   check_attention_indices(p, block_tables, seq_lens, query_start_loc, op);
   return p;

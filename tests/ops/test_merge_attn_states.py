@@ -39,6 +39,19 @@ def test_matches_reference(backend, dtype, head_size):
     assert max_err(args[1], want[1]) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_float32_parts_into_a_16_bit_out(backend, dtype):
+    """Parts in float32 (paged_attention's unrounded rows) merge into a 16-bit out, rounded once:
+    the float32 merge rounded by torch, bit for bit, and the same lse."""
+    args = make_parts(37, 5, 128, torch.float32, backend.device)
+    args[0] = torch.full(args[0].shape, float("nan"), dtype=dtype, device=backend.device)
+    backend.ops.merge_attn_states(*args)
+    wide = [torch.empty_like(args[2]), torch.empty_like(args[1])]
+    backend.ops.merge_attn_states(*wide, *args[2:])
+    assert torch.equal(args[0], wide[0].to(dtype))
+    assert torch.equal(args[1], wide[1])
+
+
 @pytest.mark.parametrize("isa", CPU_ISAS)
 def test_cpu_instruction_sets(backend, isa, monkeypatch):
     """The CPU kernels of every instruction set this processor has (PAGEDKV_CPU_ISA)."""
@@ -180,6 +193,13 @@ def test_opcheck(backend):
 BAD = {
     "out dtype": (lambda a: a.__setitem__(0, a[0].double()), "out must be float32"),
     "prefix dtype": (lambda a: a.__setitem__(2, a[2].half()), "prefix_out must have out's dtype"),
+    "parts of two dtypes": (lambda a: [a.__setitem__(0, a[0].bfloat16()),
+                                       a.__setitem__(4, a[4].bfloat16())],
+                            "suffix_out must have prefix_out's dtype Float"),
+    "16-bit parts of another dtype": (
+        lambda a: [a.__setitem__(i, a[i].to(t)) for i, t in ((0, torch.bfloat16),
+                                                                (2, torch.half), (4, torch.half))],
+        "prefix_out must have out's dtype BFloat16 or be float32"),
     "suffix shape": (lambda a: a.__setitem__(4, a[4][:, :2]), "suffix_out must have out's shape"),
     "lse dtype": (lambda a: a.__setitem__(3, a[3].double()), "prefix_lse must be float32"),
     "lse shape": (lambda a: a.__setitem__(5, a[5][:3]), "suffix_lse must be \\[num_tokens"),

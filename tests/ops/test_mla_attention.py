@@ -235,6 +235,21 @@ def test_merge_attn_states_composes(mla_backend):
     torch.testing.assert_close(merged_lse, whole["lse_out"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("seq_lens, q_lens", [([9, 400], None), ([33, 70], [3, 5])],
+                         ids=["decode-split", "prefill"])
+def test_float32_out_is_the_rows_before_rounding(mla_backend, seq_lens, q_lens):
+    """A float32 out under a bfloat16 query, rounded by torch, is the bfloat16 out bit for bit
+    (the split-K reduce's rows and the unsplit kernels' alike), lse too."""
+    rounded = make_args(seq_lens, q_lens, heads=16, shape=DEEPSEEK, dtype=torch.bfloat16)
+    wide = dict(rounded, out=torch.full(rounded["out"].shape, float("nan")),
+                lse_out=rounded["lse_out"].clone())
+    run(rounded, mla_backend)
+    check(rounded)
+    run(wide, mla_backend)
+    assert torch.equal(wide["out"].bfloat16(), rounded["out"])
+    assert torch.equal(wide["lse_out"], rounded["lse_out"])
+
+
 def test_opcheck(mla_backend):
     args = make_args([9, 20], [2, 3], heads=4, dtype=torch.bfloat16)
     dev = mla_backend.device
@@ -261,7 +276,8 @@ def bad_cases():
                                       "rope_dim"),
         "rank not a multiple of 8": (_spoil(base, out=out[..., :36]), "kv_lora_rank"),
         "out heads": (_spoil(base, out=out[:, :3]), "out must be"),
-        "out dtype": (_spoil(base, out=out.float()), "out must have query's dtype"),
+        "out dtype": (_spoil(base, out=out.half()), "out must have query's dtype .* or be "
+                      "float32"),
         "cache dtype": (_spoil(base, kv_cache=cache.half()), "kv_cache must have query's dtype"),
         "cache rank": (_spoil(base, kv_cache=cache[None]), "kv_cache"),
         "cache not contiguous in its rows": (

@@ -18,6 +18,7 @@ from attention_cases import (
     check,
     make_args,
     max_err,
+    reference_outputs,
     skip_what_auto_runs,
     to_device,
 )
@@ -298,6 +299,41 @@ def test_strided_query_out_and_lse(backend):
     args["lse_out"] = torch.full((8, 10), float("nan"), device=dev).T
     call(backend.ops.paged_attention, args)
     check(args)
+
+
+# A float32 out under a 16-bit query: the rows before their rounding, for a later merge. Decode,
+# a long context (split into parts and merged: the CPU's partials, CUDA's split-K reduce), varlen
+# with every feature, fp8, and tensor-core tiles (split, and two row tiles with a window).
+FLOAT_OUT = {
+    "decode": Case(dtype=torch.bfloat16, head_size=128),
+    "long-sinks": Case(seq_lens=(3001,), num_heads=4, num_kv_heads=1, head_size=128,
+                       dtype=torch.bfloat16, sinks=True),
+    "varlen-all-sinks": Case(seq_lens=VARLEN[0], q_lens=VARLEN[1], dtype=torch.float16,
+                             **FEATURES["all-sinks"]),
+    "fp8": Case(dtype=torch.float16, cache_dtype=torch.float8_e4m3fn, head_size=80),
+    "tc-split": TC_TILES["f16 h128 sinks decode group 8 split"],
+    "tc-rows": TC_TILES["bf16 h64 sinks window 2 row tiles"],
+}
+
+
+@pytest.mark.parametrize("name", FLOAT_OUT)
+def test_float32_out_is_the_rows_before_rounding(backend, name):
+    """out in float32 under a 16-bit query holds what the kernel rounds into a 16-bit out: the
+    same call into a float32 out (strided), rounded by torch, equals it bit for bit (lse too),
+    and is closer to the float64 reference than the 16-bit out."""
+    case = FLOAT_OUT[name]
+    skip_what_auto_runs(backend, case)
+    rounded = make_args(case, backend.device)
+    call(backend.ops.paged_attention, rounded)
+    check(rounded)
+    tokens, heads, head_size = rounded["out"].shape
+    out = torch.full((tokens, heads + 1, head_size), float("nan"), device=backend.device)
+    wide = dict(rounded, out=out[:, 1:], lse_out=torch.full_like(rounded["lse_out"], float("nan")))
+    call(backend.ops.paged_attention, wide)
+    assert torch.equal(wide["out"].to(case.dtype), rounded["out"])
+    assert torch.equal(wide["lse_out"], rounded["lse_out"])
+    want, _ = reference_outputs(rounded, torch.float64)
+    assert max_err(wide["out"], want) < max_err(rounded["out"], want)
 
 
 def misalign_cache_rows(args: dict) -> None:

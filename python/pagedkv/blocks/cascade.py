@@ -122,15 +122,20 @@ class CascadeBatch:
         num_tokens, num_heads = query.shape[:2]
         lse = lambda n: torch.empty(n, num_heads, dtype=torch.float32,  # noqa: E731
                                     device=query.device)
+        # The two levels' rows in float32, rounded to out's dtype once, by the merge: then a
+        # 16-bit output differs from the plain call's by float32 rounding alone, not by two
+        # more roundings to 16 bits.
         prefix_q = query.index_select(0, self.prefix_tokens)
-        prefix_out, prefix_lse = torch.empty_like(prefix_q), lse(len(self.prefix_tokens))
+        prefix_out = torch.empty(prefix_q.shape, dtype=torch.float32, device=query.device)
+        prefix_lse = lse(len(self.prefix_tokens))
         kernels.paged_attention(
             out=prefix_out, query=prefix_q, block_tables=self.prefix_block_tables,
             seq_lens=self.prefix_seq_lens, query_start_loc=self.prefix_query_start_loc,
             max_seq_len=self.prefix_max_seq_len, max_query_len=self.prefix_max_query_len,
             scale=scale, alibi_slopes=None, sliding_window=-1, soft_cap=soft_cap,
             lse_out=prefix_lse, sinks=None, causal=False, **cache)
-        suffix_out, suffix_lse = torch.empty_like(out), lse(num_tokens)
+        suffix_out = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        suffix_lse = lse(num_tokens)
         kernels.paged_attention(
             out=suffix_out, query=query, block_tables=self.suffix_block_tables,
             seq_lens=self.suffix_seq_lens, query_start_loc=self.query_start_loc,
@@ -138,7 +143,7 @@ class CascadeBatch:
             scale=scale, alibi_slopes=None, sliding_window=-1, soft_cap=soft_cap,
             lse_out=suffix_lse, sinks=sinks, **cache)
         # The prefix level's rows back in batch order; tokens of no group: an empty part.
-        full_out = torch.empty_like(out)
+        full_out = torch.empty_like(suffix_out)
         full_out.index_copy_(0, self.prefix_tokens, prefix_out)
         full_lse = torch.full_like(suffix_lse, float("-inf"))
         full_lse.index_copy_(0, self.prefix_tokens, prefix_lse)

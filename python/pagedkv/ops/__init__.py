@@ -145,7 +145,9 @@ def paged_attention(
     Parameters
     ----------
     out : Tensor
-        ``[num_tokens, num_heads, head_size]``, query's dtype; written. Last dim contiguous.
+        ``[num_tokens, num_heads, head_size]``, query's dtype, or float32 under a 16-bit query:
+        the rows unrounded, a part to merge with :func:`merge_attn_states` (a cascade's levels)
+        that is then rounded once. Written; last dim contiguous.
     query : Tensor
         ``[num_tokens, num_heads, head_size]``, float32 / float16 / bfloat16, last dim
         contiguous. head_size a multiple of 8 up to 512.
@@ -240,7 +242,8 @@ def merge_attn_states(
     out_lse : Tensor, optional
         float32 ``[num_tokens, num_heads]``, any strides; written.
     prefix_out, suffix_out : Tensor
-        Like ``out`` (same shape and dtype), the two partial results.
+        ``out``'s shape, one dtype: ``out``'s, or float32 (the parts unrounded, as
+        :func:`paged_attention` writes them into a float32 ``out``), the two partial results.
     prefix_lse, suffix_lse : Tensor
         float32 ``[num_tokens, num_heads]``, any strides (a transposed ``[num_heads,
         num_tokens]`` tensor's ``.T`` works), as written by :func:`paged_attention`.
@@ -339,7 +342,8 @@ def mla_attention(
     Parameters
     ----------
     out : Tensor
-        ``[num_tokens, num_heads, kv_lora_rank]``, query's dtype, last dim contiguous; written.
+        ``[num_tokens, num_heads, kv_lora_rank]``, query's dtype (or float32 under a 16-bit
+        query: the rows unrounded, as in :func:`paged_attention`), last dim contiguous; written.
     query : Tensor
         ``[num_tokens, num_heads, kv_lora_rank + rope_dim]`` (the absorbed ``q_nope`` then the
         rotary ``q_pe``), float32, float16 or bfloat16, last dim contiguous. Its width, a
