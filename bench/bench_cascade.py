@@ -14,8 +14,9 @@ hit for all of them) on ``LLMEngine`` with ``EngineConfig(cascade=True)`` and ``
 a random Llama whose attention has this bench's head size (2 layers, 8 q / 2 kv heads), in
 float32 and in bfloat16, and reports the decode steps' tokens/s both ways (median over runs)
 and the share of requests whose greedy tokens are the same both ways. In float32 that must be
-all of them (the run fails otherwise); in bfloat16 the two levels' outputs are rounded before
-the merge, and the random model's near-ties then flip a later token of some requests.
+all of them (the run fails otherwise); in bfloat16 the cascade adds in another order (and the
+pair path's prefix level rounds P to bf16), so a few outputs land a last-place step apart, and
+the random model's near-ties then flip a later token of some requests (docs/cascade.md).
 
     python -m bench.bench_cascade [--quick] [--sweep] [--engine] [--device cpu]
 
