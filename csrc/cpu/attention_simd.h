@@ -550,6 +550,52 @@ inline vf vexp_nonpositive(vf x) {
   return x < -87.f ? splat(0.f) : y;
 }
 
+// Softmax's weights as powers of 2 (the prefill's and decode's online softmax): a row's shift
+// (its running max) enters as c = -shift log2(e) (softmax_log2_shift, rounded once per row and
+// tile), a logit x's weight is 2^(x log2(e) + c) (softmax_exp: one FMA, then softmax_exp2), and
+// the correction of a row's earlier weights when its shift moves from c_old to c_new is
+// 2^(c_new - c_old), the same rounded numbers, so that every weight of a row is 2^(x log2(e))
+// times one factor (the rounding of c moves the lse by |shift| 2^-24, no weight against
+// another). The product x log2(e) rounds t by |t| 2^-24 at most (a weight e^-20 by 3e-7 of
+// itself).
+//
+// softmax_exp2(t), t <= 0: t = n + f, n an integer and |f| <= 1/2, 2^f by a degree-6 polynomial
+// (a minimax fit for relative error: 1.6 ulp in float Horner) and 2^n into the exponent
+// (AVX-512: vscalefps, which takes t below -149 to 0; elsewhere 0 below -126). -inf gives 0,
+// NaN gives NaN (vmax returns its second operand when one is NaN). Its dependent chain is 11
+// operations where exp_in_range's is 17, and the softmax passes are bound by that latency.
+inline vf softmax_log2_shift(vf shift) {
+  vf c = shift * -1.44269504088896341f;
+  in_register(c);  // rounded here, never fused into a use's FMA (-ffp-contract=fast)
+  return c;
+}
+inline vf softmax_exp2(vf t) {
+  t = vmax(splat(-200.f), t);
+#if PKV_ISA >= 2
+  const vf n = (vf)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif PKV_ISA == 1
+  const vf n = (vf)_mm256_round_ps((__m256)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (t + magic) - magic;
+#endif
+  const vf f = t - n;
+  vf poly = splat(1.53533620e-4f);
+  poly = fmadd(poly, f, splat(1.33988750e-3f));
+  poly = fmadd(poly, f, splat(9.61843692e-3f));
+  poly = fmadd(poly, f, splat(5.55033237e-2f));
+  poly = fmadd(poly, f, splat(2.40226477e-1f));
+  poly = fmadd(poly, f, splat(6.93147182e-1f));
+  poly = fmadd(poly, f, splat(1.f));
+#if PKV_ISA >= 2
+  return (vf)_mm512_scalef_ps((__m512)poly, (__m512)n);
+#else
+  const vi two_n = (__builtin_convertvector(vmax(splat(-126.f), n), vi) + 127) << 23;
+  return n < -126.f ? splat(0.f) : poly * (vf)two_n;
+#endif
+}
+inline vf softmax_exp(vf x, vf c) { return softmax_exp2(fmadd(x, splat(1.44269504088896341f), c)); }
+
 // tanh(x): an odd polynomial near 0, (1 - e) / (1 + e) with e = exp(-2|x|) elsewhere (Cephes).
 inline vf vtanh(vf x) {
   const vf ax = x < 0.f ? -x : x;
