@@ -244,6 +244,21 @@ void run_dynamic(int64_t workers, int64_t n, F&& f) {
   });
 }
 
+// run_dynamic, each thread taking its next index as it starts one, so that f(worker, index,
+// then) knows the index it runs after this one (then; n: none) and can ask for its memory.
+template <typename F>
+void run_dynamic_ahead(int64_t workers, int64_t n, F&& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = next++, then; i < n; i = then) {
+        then = std::min<int64_t>(next++, n);
+        f(worker, i, then);
+      }
+    }
+  });
+}
+
 void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   if (p.num_tokens == 0 || p.num_heads == 0) return;
   const AttentionKernels& k = select_kernels(std::gcd(p.head_size, p.head_size_v));
@@ -266,8 +281,10 @@ void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   float* scratch_base = scratch.data_ptr<float>();
   const auto attend = amx ? (pairs ? k.attend_amx : k.attend_amx_floats)
                           : (pairs ? k.attend : k.attend_floats);
-  run_dynamic(workers, n, [&](int64_t worker, int64_t i) {
-    attend(p, plan.items[i], scratch_base + worker * per_worker, partials);
+  run_dynamic_ahead(workers, n, [&](int64_t worker, int64_t i, int64_t then) {
+    WorkItem item = plan.items[i];
+    item.then = then < n ? &plan.items[then] : nullptr;
+    attend(p, item, scratch_base + worker * per_worker, partials);
   });
   const int64_t splits = static_cast<int64_t>(plan.splits.size());
   if (splits == 0) return;

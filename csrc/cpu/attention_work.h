@@ -22,6 +22,9 @@ struct WorkItem {
   int32_t q_begin, q_count;    // query tokens [q_begin, q_begin + q_count) of the sequence
   int32_t key_begin, key_end;  // key positions [key_begin, key_end)
   int64_t slot;                // partial slot, or -1: write out / lse_out directly
+  // The item the same thread runs next (set by the scheduler, or null): decode asks for its
+  // first chunk's rows during this item's last (KeyTiles), as it asks for each next chunk's.
+  const WorkItem* then = nullptr;
 };
 
 // Partial results of split items: slot s holds rows_per_slot rows of head_size_v floats.
