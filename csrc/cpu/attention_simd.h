@@ -519,18 +519,22 @@ constexpr int i4_pair_column(int j, int l) {
   return (vi)(x + magic) - (vi)magic;
 }
 
+// c0 x^k + c1 x^(k-1) + ... + ck by Horner's rule: one FMA a coefficient past the first.
+template <typename... C>
+[[gnu::always_inline]] inline vf horner(vf x, float c0, C... cs) {
+  vf p = splat(c0);
+  ((p = fmadd(p, x, splat(cs))), ...);
+  return p;
+}
+
 // exp(xc) for xc in [-87, 88.7], relative error ~2 ulp (Cephes).
 inline vf exp_in_range(vf xc) {
   const vf shift = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
   const vf n = fmadd(xc, splat(1.44269504088896341f), shift) - shift;
   vf r = fmadd(n, splat(-0.693359375f), xc);  // r = x - n ln2, in two parts
   r = fmadd(n, splat(2.12194440e-4f), r);
-  vf poly = splat(1.9875691500e-4f);
-  poly = fmadd(poly, r, splat(1.3981999507e-3f));
-  poly = fmadd(poly, r, splat(8.3334519073e-3f));
-  poly = fmadd(poly, r, splat(4.1665795894e-2f));
-  poly = fmadd(poly, r, splat(1.6666665459e-1f));
-  poly = fmadd(poly, r, splat(5.0000001201e-1f));
+  vf poly = horner(r, 1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                   1.6666665459e-1f, 5.0000001201e-1f);
   poly = fmadd(poly, r * r, r) + 1.f;
   const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
   return poly * (vf)two_n;
@@ -561,7 +565,9 @@ inline vf softmax_log2_shift(vf shift) {
   in_register(c);  // rounded here, never fused into a use's FMA (-ffp-contract=fast)
   return c;
 }
-inline vf softmax_exp2(vf t) {
+// (always inlined: an out-of-line copy in the base set, without AVX, returned its vector
+// through another ABI, which GCC warns of)
+[[gnu::always_inline]] inline vf softmax_exp2(vf t) {
   t = vmax(splat(-200.f), t);
 #if PKV_ISA >= 2
   const vf n = (vf)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -572,13 +578,8 @@ inline vf softmax_exp2(vf t) {
   const vf n = (t + magic) - magic;
 #endif
   const vf f = t - n;
-  vf poly = splat(1.53533620e-4f);
-  poly = fmadd(poly, f, splat(1.33988750e-3f));
-  poly = fmadd(poly, f, splat(9.61843692e-3f));
-  poly = fmadd(poly, f, splat(5.55033237e-2f));
-  poly = fmadd(poly, f, splat(2.40226477e-1f));
-  poly = fmadd(poly, f, splat(6.93147182e-1f));
-  poly = fmadd(poly, f, splat(1.f));
+  const vf poly = horner(f, 1.53533620e-4f, 1.33988750e-3f, 9.61843692e-3f, 5.55033237e-2f,
+                         2.40226477e-1f, 6.93147182e-1f, 1.f);
 #if PKV_ISA >= 2
   return (vf)_mm512_scalef_ps((__m512)poly, (__m512)n);
 #else
@@ -586,7 +587,9 @@ inline vf softmax_exp2(vf t) {
   return n < -126.f ? splat(0.f) : poly * (vf)two_n;
 #endif
 }
-inline vf softmax_exp(vf x, vf c) { return softmax_exp2(fmadd(x, splat(1.44269504088896341f), c)); }
+[[gnu::always_inline]] inline vf softmax_exp(vf x, vf c) {
+  return softmax_exp2(fmadd(x, splat(1.44269504088896341f), c));
+}
 
 // tanh(x): an odd polynomial near 0, (1 - e) / (1 + e) with e = exp(-2|x|) elsewhere (Cephes).
 inline vf vtanh(vf x) {
@@ -594,11 +597,8 @@ inline vf vtanh(vf x) {
   const vf e = vexp(-2.f * ax);
   const vf large = (1.f - e) / (1.f + e);
   const vf z = x * x;
-  vf poly = splat(-5.70498872745e-3f);
-  poly = fmadd(poly, z, splat(2.06390887954e-2f));
-  poly = fmadd(poly, z, splat(-5.37397155531e-2f));
-  poly = fmadd(poly, z, splat(1.33314422036e-1f));
-  poly = fmadd(poly, z, splat(-3.33332819422e-1f));
+  const vf poly = horner(z, -5.70498872745e-3f, 2.06390887954e-2f, -5.37397155531e-2f,
+                         1.33314422036e-1f, -3.33332819422e-1f);
   const vf small = fmadd(poly * z, x, x);
   const vf signed_large = x < 0.f ? -large : large;
   return ax < 0.625f ? small : signed_large;
