@@ -233,21 +233,11 @@ Plan plan_work(const PagedAttentionParams& p, int threads) {
   return plan;
 }
 
-// Runs f(worker, index) for index in [0, n) on every thread, each taking the next index.
+// Runs f(worker, index, then) for index in [0, n) on every thread, each taking the next index;
+// a thread takes its next one (then; n: none) as it starts one, so that f knows what it runs
+// after this index and can ask for its memory.
 template <typename F>
 void run_dynamic(int64_t workers, int64_t n, F&& f) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t i = next++; i < n; i = next++) f(worker, i);
-    }
-  });
-}
-
-// run_dynamic, each thread taking its next index as it starts one, so that f(worker, index,
-// then) knows the index it runs after this one (then; n: none) and can ask for its memory.
-template <typename F>
-void run_dynamic_ahead(int64_t workers, int64_t n, F&& f) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     for (int64_t worker = begin; worker < end; ++worker) {
@@ -281,14 +271,14 @@ void paged_attention(const PagedAttentionParams& p, const at::Tensor& query) {
   float* scratch_base = scratch.data_ptr<float>();
   const auto attend = amx ? (pairs ? k.attend_amx : k.attend_amx_floats)
                           : (pairs ? k.attend : k.attend_floats);
-  run_dynamic_ahead(workers, n, [&](int64_t worker, int64_t i, int64_t then) {
+  run_dynamic(workers, n, [&](int64_t worker, int64_t i, int64_t then) {
     WorkItem item = plan.items[i];
     item.then = then < n ? &plan.items[then] : nullptr;
     attend(p, item, scratch_base + worker * per_worker, partials);
   });
   const int64_t splits = static_cast<int64_t>(plan.splits.size());
   if (splits == 0) return;
-  run_dynamic(std::min<int64_t>(threads, splits), splits, [&](int64_t, int64_t i) {
+  run_dynamic(std::min<int64_t>(threads, splits), splits, [&](int64_t, int64_t i, int64_t) {
     k.merge_partials(p, plan.items.data(), plan.splits[i], partials);
   });
 }
