@@ -248,12 +248,11 @@ def check_rows_either_query(args: dict) -> torch.Tensor:
     torch_out, torch_lse = reference_outputs(args, torch.float32)
     floor = {torch.float16: 1e-4, torch.bfloat16: 1e-3}[args["out"].dtype]
     bound = 2 * max_err(torch_out, want) + floor
-    exact = row_errors(args["out"], want) <= bound
-    rounded = row_errors(args["out"], want8) <= bound
+    err, err8 = row_errors(args["out"], want), row_errors(args["out"], want8)
+    exact, rounded = err <= bound, err8 <= bound
     assert (exact | rounded).all(), (
         f"rows meeting neither reference: {(~(exact | rounded)).nonzero().tolist()[:8]}, "
-        f"errors {row_errors(args['out'], want).max():.3g} / {row_errors(args['out'], want8).max():.3g}"
-        f" (bound {bound:.3g})")
+        f"errors {err.max():.3g} / {err8.max():.3g} (bound {bound:.3g})")
     if args["lse_out"] is not None:
         lse_bound = 2 * max_err(torch_lse, want_lse) + 2e-5
         lse_exact = row_errors(args["lse_out"], want_lse) <= lse_bound + int_query_logit_error(args)
