@@ -1,5 +1,5 @@
 // The three parts of an int4 decode step of the avx512bf16 kernels, alone, in a loop: S = Q K^T
-// in quads (qk_rows over qk_quad_i4_lanes), the quad's softmax (softmax_quad) and O += P V
+// in quads (qk_rows over qk_lanes_i4, on int8 queries), the quad's softmax (softmax_quad) and O += P V
 // (pv_rows_int), on one query group of 4 rows x 32 keys, head size 128, the kernels' own
 // functions (csrc/cpu/attention_kernels.inc compiled here). Built and run by
 // bench/cpu_decode_parts.sh. What it is for: in place a part also pays for its rows' memory,
@@ -94,10 +94,14 @@ int main(int argc, char** argv) {
     k_off[i] = static_cast<int64_t>(rng() % rows) * row_bytes;
     v_off[i] = static_cast<int64_t>(rng() % rows) * row_bytes;
   }
-  alignas(64) int16_t q[4 * kD], pq[4 * TS] = {};
+  alignas(64) int16_t q[4 * kD], pq[4 * TS] = {};  // 4 rows as lanes_query writes them
   std::normal_distribution<float> normal;
-  for (auto& x : q) x = static_cast<int16_t>(std::clamp(normal(rng) * 8000.f, -32767.f, 32767.f));
   alignas(64) float s[4 * TS], o[4 * kD] = {}, ks[TS], vs[TS], qs[4], m[4], l[4], ps[4];
+  for (int r = 0; r < 4; ++r) {
+    for (int d = 0; d < kD; ++d) o[d] = normal(rng);
+    lanes_query(o, kD, q + r * kD);
+  }
+  std::fill(o, o + 4 * kD, 0.f);
   for (int t = 0; t < TS; ++t) {
     ks[t] = 0.05f + 0.01f * (t % 7);
     vs[t] = 0.1f + 0.02f * (t % 5);
