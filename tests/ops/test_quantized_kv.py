@@ -208,16 +208,18 @@ def run(backend, case: Case, fmt: torch.dtype) -> dict:
     return args
 
 
-# The CPU's int4 decode on the avx512bf16 kernels (head sizes a multiple of 128, 16-bit
-# queries) rounds each query row of a whole group of 4 rows of a kv head to int8 for
-# vpdpbusd (docs/quantized_kv.md): the kernel is exact for the format with the query so rounded.
+# The CPU's int4 decode on the avx512bf16 and avx2 kernels (head sizes a multiple of 128,
+# 16-bit queries) rounds each query row of a whole group of 4 rows of a kv head to int8 for
+# vpdpbusd / vpmaddubsw (docs/quantized_kv.md): the kernel is exact for the format with the
+# query so rounded.
+INT8_QUERY_ISAS = ("avx512bf16", "avx2")
 
 
 def may_round_the_query_to_int8(args: dict) -> bool:
     """Whether the CPU may run rows of this call on int8 queries."""
     return (args["key_cache"].dtype == torch.uint8 and args["query"].dtype != torch.float32
             and args["query"].shape[-1] % 128 == 0
-            and ops.cpu_attention_kernel(args["query"].shape[-1]) == "avx512bf16")
+            and ops.cpu_attention_kernel(args["query"].shape[-1]) in INT8_QUERY_ISAS)
 
 
 def int8_query(args: dict) -> torch.Tensor:
@@ -261,15 +263,17 @@ def check_rows_either_query(args: dict) -> torch.Tensor:
     return rounded & ~exact
 
 
+@pytest.mark.parametrize("isa", INT8_QUERY_ISAS)
 @pytest.mark.parametrize("group", [4, 6, 8])
-def test_cpu_int4_decode_rounds_whole_groups_of_4_queries_to_int8(backend, group, monkeypatch):
-    """On the avx512bf16 kernels, decode over int4 rows at head size 128: the query rows of
-    each kv head's whole groups of 4 (heads 0-3 of a group of 6, all of 4 or 8) are rounded to
-    int8 (int8_query), the others to int16 as everywhere else; float16, where the int8
-    rounding is far beyond the tolerance of the query as given."""
+def test_cpu_int4_decode_rounds_whole_groups_of_4_queries_to_int8(backend, group, isa,
+                                                                   monkeypatch):
+    """On the avx512bf16 and avx2 kernels, decode over int4 rows at head size 128: the query
+    rows of each kv head's whole groups of 4 (heads 0-3 of a group of 6, all of 4 or 8) are
+    rounded to int8 (int8_query), the others to int16 as everywhere else; float16, where the
+    int8 rounding is far beyond the tolerance of the query as given."""
     if backend.name != "cpu":
         pytest.skip("CPU kernels only")
-    use_cpu_isa(monkeypatch, "avx512bf16")
+    use_cpu_isa(monkeypatch, isa)
     case = Case(dtype=torch.float16, num_heads=2 * group, num_kv_heads=2, head_size=128,
                 seq_lens=(1, 17, 100, 250, 33))
     args, _ = quantized_args(case, torch.uint8, backend.device)
