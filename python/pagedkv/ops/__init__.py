@@ -376,9 +376,9 @@ def cpu_attention_kernel(head_size: int = 128) -> str:
     ``"avx2"``, ``"avx512"`` or ``"avx512bf16"`` (AVX-512 with AVX512_BF16 and VNNI: bfloat16
     prefill on ``vdpbf16ps`` where :func:`cpu_bf16_dot_products` says so). int8 and int4 decode
     under 16-bit queries takes integer dot products in the avx512bf16 (``vpdpwssd``) and avx2
-    (``vpmaddwd``) kernels, on queries rounded to int16 per row; the avx512bf16 kernels' int4
-    decode at head sizes a multiple of 128 rounds the query rows of each kv head's whole groups
-    of 4 to int8 instead (``vpdpbusd``; docs/cpu_attention.md).
+    (``vpmaddwd``) kernels, on queries rounded to int16 per row; their int4 decode at head sizes
+    a multiple of 128 rounds the query rows of each kv head's whole groups of 4 to int8 instead
+    (``vpdpbusd``, ``vpmaddubsw``; docs/cpu_attention.md).
 
     The answer of the extension's own run-time dispatch (csrc/cpu/attention.cpp): the widest
     instruction set the processor has (AVX2 needs FMA and F16C too; the AVX-512 sets are used only
