@@ -190,12 +190,18 @@ def reference_outputs(args: dict, compute_dtype: torch.dtype):
     return a["out"].double(), a["lse_out"].double()
 
 
-def max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest |actual - expected|, where -inf == -inf counts as 0 and any NaN as inf."""
+def abs_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """|actual - expected| element by element (float64, on the CPU), where -inf == -inf counts
+    as 0 and any NaN as inf."""
     a, e = actual.cpu().double(), expected.cpu().double()
     both_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
     diff = torch.where(both_inf, torch.zeros_like(a), (a - e).abs())
-    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+    return torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+
+
+def max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest of abs_errors."""
+    diff = abs_errors(actual, expected)
     return diff.max().item() if diff.numel() else 0.0
 
 
