@@ -1,6 +1,6 @@
 // The three parts of an int4 decode step of the avx512bf16 kernels, alone, in a loop: S = Q K^T
-// in quads (qk_rows over qk_lanes_i4, on int8 queries), the quad's softmax (softmax_quad) and O += P V
-// (pv_rows_int), on one query group of 4 rows x 32 keys, head size 128, the kernels' own
+// in quads (qk_rows over qk_lanes_i4, on int8 queries), the quad's softmax (softmax_quad) and
+// O += P V (pv_rows_int), on one query group of 4 rows x 32 keys, head size 128, the kernels' own
 // functions (csrc/cpu/attention_kernels.inc compiled here). Built and run by
 // bench/cpu_decode_parts.sh. What it is for: in place a part also pays for its rows' memory,
 // the step's frame and the other parts around it; alone, from L1 or L2, it shows what the part's

@@ -18,10 +18,10 @@
 // probabilities, vpdpwssd in avx512bf16, vpmaddwd in avx2, portable vectors elsewhere; with
 // PKV_DOT_PAIRS=1, prefill on bfloat16 pairs of the rows' integers, the scales on S and P)
 // under the pair path's bound, plus what decode's roundings of q and p (a relative 2^-16 of a
-// row's largest element) may add. avx512bf16's int4 decode rounds the query rows of whole
-// groups of 4 to int8 instead (qk_lanes_i4, head sizes a multiple of 128): each (token, head)
-// on the integer path meets the bounds against the reference over the query as given or over
-// the query so rounded (emulated exactly: ref8), whole.
+// row's largest element) may add. avx512bf16's and avx2's int4 decode round the query rows of
+// whole groups of 4 to int8 instead (qk_lanes_i4 / qk_tile_i4_q8, head sizes a multiple of
+// 128): each (token, head) on the integer path meets the bounds against the reference over the
+// query as given or over the query so rounded (emulated exactly: ref8), whole.
 //
 // Bound per output element (row r, column d), with p_t the reference probabilities and
 // B = sum_t p_t |v_t[d]|: the float path is within 2^-8 |ref| (rounding the output to bfloat16)
@@ -112,7 +112,7 @@ struct Batch {
   std::vector<float> slopes;
   std::vector<double> ref, bound, ref_lse;  // [token][head][d], [token][head]
   std::vector<double> int_bound;  // int8 / int4: what the integer path's roundings may add
-  // int4: ref and ref_lse over the query as avx512bf16's decode rounds it to int8 (rounded)
+  // int4: ref and ref_lse over the query as the int4 decode rounds it to int8 (rounded)
   std::vector<double> ref8, ref8_lse;
 
   Batch(const Case& cs, std::mt19937& rng) : c(cs) {
@@ -247,13 +247,16 @@ struct Batch {
     }
   }
 
-  // A query row as the avx512bf16 decode rounds it for int4 S (lanes_query): q times the
-  // kernel's float scale, in steps of its largest |element| / 127, q / step rounded once (one
-  // FMA), ties to even; returned in the reference's units (times 1 / scale).
+  // A query row as the avx512bf16 and avx2 decode rounds it for int4 S (lanes_query): q times
+  // the kernel's float scale, in steps of its largest |element| / 127, q / step rounded once
+  // (one FMA), ties to even; returned in the reference's units (times 1 / scale).
   static void rounded(std::vector<double>& q, float scale_f, double scale) {
     std::vector<float> x(q.size());
     float amax = 0.f;
-    for (size_t d = 0; d < q.size(); ++d) amax = std::max(amax, std::fabs(x[d] = float(q[d]) * scale_f));
+    for (size_t d = 0; d < q.size(); ++d) {
+      x[d] = float(q[d]) * scale_f;
+      amax = std::max(amax, std::fabs(x[d]));
+    }
     if (!(amax > 0.f)) return;
     const float inv = 127.f / amax, step = amax / 127.f;
     for (size_t d = 0; d < q.size(); ++d)
