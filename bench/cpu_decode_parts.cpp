@@ -98,10 +98,10 @@ int main(int argc, char** argv) {
   std::normal_distribution<float> normal;
   alignas(64) float s[4 * TS], o[4 * kD] = {}, ks[TS], vs[TS], qs[4], m[4], l[4], ps[4];
   for (int r = 0; r < 4; ++r) {
-    for (int d = 0; d < kD; ++d) o[d] = normal(rng);
-    lanes_query(o, kD, q + r * kD);
+    alignas(64) float row[kD];
+    for (float& x : row) x = normal(rng);
+    lanes_query(row, kD, q + r * kD);
   }
-  std::fill(o, o + 4 * kD, 0.f);
   for (int t = 0; t < TS; ++t) {
     ks[t] = 0.05f + 0.01f * (t % 7);
     vs[t] = 0.1f + 0.02f * (t % 5);

@@ -518,6 +518,13 @@ constexpr int i4_pair_column(int j, int l) {
   const vf magic = splat(12582912.f);  // 1.5 * 2^23
   return (vi)(x + magic) - (vi)magic;
 }
+// a * b (|a b| < 2^22) rounded once, to the nearest integer (ties to even), as int32: round_int
+// with the product and the magic number in one FMA, whether or not the compiler would contract
+// round_int(a * b) (the tests emulate this rounding of the int8 queries exactly).
+[[gnu::always_inline]] inline vi round_int_product(vf a, vf b) {
+  const vf magic = splat(12582912.f);
+  return (vi)fmadd(a, b, magic) - (vi)magic;
+}
 
 // c0 x^k + c1 x^(k-1) + ... + ck by Horner's rule: one FMA a coefficient past the first.
 template <typename... C>

@@ -205,6 +205,18 @@ def max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff.max().item() if diff.numel() else 0.0
 
 
+def out_bound(out_dtype: torch.dtype, torch_err: float, float32_floor: float = 1e-6) -> float:
+    """How far check lets an output stray from the float64 reference: twice torch's own
+    float32 error (torch_err) plus a floor for the output's dtype."""
+    floor = {torch.float32: float32_floor, torch.float16: 1e-4, torch.bfloat16: 1e-3}[out_dtype]
+    return 2 * torch_err + floor
+
+
+def lse_bound(torch_err: float, logit_error: float = 0.0) -> float:
+    """The same for the lse: twice torch's error, 2e-5, and logit_error (see check)."""
+    return 2 * torch_err + 2e-5 + logit_error
+
+
 def check(args: dict, reference_of=None, float32_floor: float = 1e-6,
           logit_error: float = 0.0) -> None:
     """The kernel's out / lse_out (already computed in args) against the float64 reference:
@@ -215,11 +227,10 @@ def check(args: dict, reference_of=None, float32_floor: float = 1e-6,
     reference_of = reference_of or reference_outputs
     want, want_lse = reference_of(args, torch.float64)
     torch_out, torch_lse = reference_of(args, torch.float32)
-    floor = {torch.float32: float32_floor, torch.float16: 1e-4,
-             torch.bfloat16: 1e-3}[args["out"].dtype]
     err, torch_err = max_err(args["out"], want), max_err(torch_out, want)
-    assert err <= 2 * torch_err + floor, f"out error {err:.3g}, torch's {torch_err:.3g}"
+    assert err <= out_bound(args["out"].dtype, torch_err, float32_floor), (
+        f"out error {err:.3g}, torch's {torch_err:.3g}")
     if args["lse_out"] is not None:
         err, torch_err = max_err(args["lse_out"], want_lse), max_err(torch_lse, want_lse)
-        assert err <= 2 * torch_err + 2e-5 + logit_error, (
+        assert err <= lse_bound(torch_err, logit_error), (
             f"lse error {err:.3g}, torch's {torch_err:.3g}")
