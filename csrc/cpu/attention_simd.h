@@ -452,6 +452,31 @@ constexpr bool kIntPairOrder = PKV_ISA == 3;
   return (vi)l;
 #endif
 }
+#if PKV_ISA == 1
+// AVX2: half H of the 4W columns [c, c + 4W) of two int8 rows as int16 pairs in two vectors,
+// by in-lane instructions only: the rows' bytes interleaved, then each byte widened beside its
+// sign (vpcmpgtb against 0); lo holds columns c + 8H + {0-3, 16-19}, hi c + 8H + {4-7, 20-23}
+// (lane_columns puts them in order). vpmovsxbw from a register (load_v_pairs) crosses lanes, and
+// on a Zen 3 it takes a multiply pipe from vpmaddwd.
+template <int H>
+[[gnu::always_inline]] inline void load_v_pairs_lanes(const int8_t* a, const int8_t* b, vi& lo,
+                                                      vi& hi) {
+  const __m256i x = load_raw<__m256i>(a), y = load_raw<__m256i>(b);
+  const __m256i z = H ? _mm256_unpackhi_epi8(x, y) : _mm256_unpacklo_epi8(x, y);
+  const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), z);
+  lo = (vi)_mm256_unpacklo_epi8(z, sign);
+  hi = (vi)_mm256_unpackhi_epi8(z, sign);
+}
+// lo, hi as load_v_pairs_lanes orders them: the first W columns (c + 8H + 0-7), the next W
+// after 2W (c + 8H + 16-23).
+template <typename T>
+[[gnu::always_inline]] inline void lane_columns(T& lo, T& hi) {
+  const T first = (T)_mm256_permute2x128_si256((__m256i)lo, (__m256i)hi, 0x20);
+  hi = (T)_mm256_permute2x128_si256((__m256i)lo, (__m256i)hi, 0x31);
+  lo = first;
+}
+#endif
+
 // int4 rows in registers (kIntDots, head sizes a multiple of 4W): nibbles sign-extended to
 // int16 by shifts, with no int8 copy of the row.
 //
