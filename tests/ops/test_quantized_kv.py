@@ -405,6 +405,15 @@ def test_block_sizes_heads_and_head_sizes(backend, fmt, block_size, heads, head_
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("head_size", [384, 512])
+def test_decode_head_sizes_past_256(backend, fmt, head_size):
+    """Decode in whole groups of 4 query heads past 256 elements a row: the AVX2 int4 S sums
+    256 elements at a time in int16 before widening them (384: a last block of 128)."""
+    run(backend, Case(dtype=torch.bfloat16, num_heads=8, num_kv_heads=2, head_size=head_size,
+                      seq_lens=(3, 130, 77)), fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("head_size", [80, 192])
 def test_varlen_head_sizes(backend, fmt, head_size):
     """Varlen items (the CPU's prefill path) at head sizes whose rows it converts to bfloat16 in
