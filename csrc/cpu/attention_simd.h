@@ -520,9 +520,21 @@ constexpr int i4_pair_column(int j, int l) {
   lo = (vs16)_mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(x, y));
   hi = (vs16)_mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(x, y));
 #elif PKV_ISA == 1
-  const __m128i x = load_raw<__m128i>(a), y = load_raw<__m128i>(b);
-  lo = (vs16)_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y));
-  hi = (vs16)_mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x, y));
+  // In lanes (vpmovsxbw from a register crosses them, and on a Zen 3 takes a multiply pipe from
+  // vpmaddwd): the rows' 16 bytes in both lanes, interleaved, then each byte pair's bytes
+  // doubled, pairs 0-3 in the low lane and 4-7 in the high one (vpshufb), so that a word holds
+  // a byte twice: << 12 >> 12 is its low nibble, >> 12 its high one.
+  const __m256i x = _mm256_broadcastsi128_si256(load_raw<__m128i>(a));
+  const __m256i y = _mm256_broadcastsi128_si256(load_raw<__m128i>(b));
+  const __m256i twice = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9,
+                                         9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+  lo = (vs16)_mm256_shuffle_epi8(_mm256_unpacklo_epi8(x, y), twice);
+  hi = (vs16)_mm256_shuffle_epi8(_mm256_unpackhi_epi8(x, y), twice);
+  out[0] = (vi)((vs16)(lo << 12) >> 12);
+  out[1] = (vi)(lo >> 12);
+  out[2] = (vi)((vs16)(hi << 12) >> 12);
+  out[3] = (vi)(hi >> 12);
+  return;
 #else
   for (int l = 0; l < W; ++l) {
     const int byte_lo = i4_pair_column(0, l) / 2, byte_hi = i4_pair_column(2, l) / 2;
