@@ -467,12 +467,11 @@ template <int H>
   lo = (vi)_mm256_unpacklo_epi8(z, sign);
   hi = (vi)_mm256_unpackhi_epi8(z, sign);
 }
-// lo, hi as load_v_pairs_lanes orders them: the first W columns (c + 8H + 0-7), the next W
-// after 2W (c + 8H + 16-23).
-template <typename T>
-[[gnu::always_inline]] inline void lane_columns(T& lo, T& hi) {
-  const T first = (T)_mm256_permute2x128_si256((__m256i)lo, (__m256i)hi, 0x20);
-  hi = (T)_mm256_permute2x128_si256((__m256i)lo, (__m256i)hi, 0x31);
+// Two vectors in load_v_pairs_lanes' order put in column order: lo the first W columns
+// (c + 8H + 0-7), hi the W after 2W (c + 8H + 16-23).
+[[gnu::always_inline]] inline void lane_columns(vf& lo, vf& hi) {
+  const vf first = _mm256_permute2f128_ps(lo, hi, 0x20);
+  hi = _mm256_permute2f128_ps(lo, hi, 0x31);
   lo = first;
 }
 #endif
