@@ -12,8 +12,8 @@
 //
 // ROWS: distinct K and V rows the steps draw from at random (64: L1; 4096: L2; 262144: 16 MiB
 // each), PARTS: any of S, M (softmax) and P, or "all" (the three in order, as a step runs them),
-// STEPS: steps timed (200000, in 20 slices). Prints the fastest slice's ns a key and the fewest
-// cycles a key of a slice (at the clock a dependent add chain measures just before it).
+// STEPS: steps timed (200000, in 20 slices). Prints the fastest slice's ns a key, and cycles at
+// the fastest clock a dependent add chain measured between the slices.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
     k_off[i] = static_cast<int64_t>(rng() % rows) * row_bytes;
     v_off[i] = static_cast<int64_t>(rng() % rows) * row_bytes;
   }
-  alignas(64) int16_t q[4 * kQRow + 64] = {}, pq[4 * TS] = {};  // 4 rows as S reads them
+  alignas(64) int16_t q[4 * kQRow] = {}, pq[4 * TS] = {};  // 4 rows as S reads them
   std::normal_distribution<float> normal;
   alignas(64) float s[4 * TS], o[4 * kD] = {}, ks[TS], vs[TS], qs[4], m[4], l[4], ps[4];
   for (int r = 0; r < 4; ++r) {
@@ -158,28 +158,24 @@ int main(int argc, char** argv) {
   run(steps / 10 + 1);  // warm
 
   // Timed in 20 slices, each after a measure of the clock (a chain of dependent adds, one a
-  // cycle); the slice of fewest cycles counts: a shared host's stalls and slower clocks fall
-  // into some slices, not all.
+  // cycle): the fastest slice counts, at the fastest clock measured (a shared host's stalls and
+  // slower clocks fall into some slices, and only slow either measure down).
   const auto seconds = [](auto&& fn) {
     const auto t0 = Clock::now();
     fn();
     return std::chrono::duration<double>(Clock::now() - t0).count();
   };
   const int slice = std::max(1, steps / 20);
-  double ns = 1e30, cycles = 1e30, ghz = 0.;
+  double ns = 1e30, ghz = 0.;
   for (int i = 0; i < 20; ++i) {
-    const double g = 4e6 / seconds([] {
-                       int64_t chain = 0;  // 10 adds an iteration: the loop's own cost hidden
-                       for (int64_t j = 0; j < 400000; ++j)
-                         asm volatile(".rept 10\n\tadd $1, %0\n\t.endr" : "+r"(chain));
-                     }) / 1e9;
-    const double t = seconds([&] { run(slice); }) * 1e9 / (double(slice) * kKeys);
-    ns = std::min(ns, t);
-    if (t * g < cycles) {
-      cycles = t * g;
-      ghz = g;
-    }
+    ghz = std::max(ghz, 4e6 / seconds([] {
+                          int64_t chain = 0;  // 10 adds an iteration: the loop's cost hidden
+                          for (int64_t j = 0; j < 400000; ++j)
+                            asm volatile(".rept 10\n\tadd $1, %0\n\t.endr" : "+r"(chain));
+                        }) / 1e9);
+    ns = std::min(ns, seconds([&] { run(slice); }) * 1e9 / (double(slice) * kKeys));
   }
+  const double cycles = ns * ghz;
   float check = 0.f;
   for (float x : o) check += x;
   std::printf("%s %s, %s, %d rows: %.2f ns a key, %.1f cycles at %.2f GHz (o sums to %g)\n",
