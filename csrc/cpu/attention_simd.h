@@ -67,6 +67,7 @@ template <typename V>
 #endif
 }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vabs(vf x) { return (vf)((vu)x & 0x7FFFFFFFu); }
 
 // Asks for the cache lines of [p, p + bytes) ahead of their use, into L1 (or, prefetch_l2,
 // into L2 only: for more lines than L1 holds beside the work at hand; prefetcht1, which Zen 3

@@ -28,6 +28,9 @@
 // its V scale its column of P before P is rounded to T; the output's normalizer is the sum of P
 // as rounded divided by the V scales (fp32, one FMA a score, in place of the ones-MMA), so that
 // the output stays a convex combination of the dequantized V rows with the weights the MMA used.
+// A V scale of 0 has no such weight (P times 0 as rounded is 0): a block whose keys hold one
+// normalizes by the fp32 sum of P instead. A V scale of NaN makes the rows NaN, as a NaN V
+// element does its column.
 //
 // Split-K: with several partitions each block writes its normalized partial output and lse to
 // the workspace and paged_attention_reduce_kernel (attention_merge.cuh) merges them, as for the
@@ -308,6 +311,8 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
   }
 
   // Row sums across the quad.
+  [[maybe_unused]] bool zero_v = false;  // row-scaled: a key with a V scale of 0 (TcCopy)
+  if constexpr (kRowScaled) zero_v = __syncthreads_or(copy.zero_v);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
@@ -315,7 +320,7 @@ __global__ void __launch_bounds__(32 * WM * WN, 1)
     if constexpr (kRowScaled) {  // P as rounded holds the V scales
       lq[h] += __shfl_xor_sync(kFullMask, lq[h], 1);
       lq[h] += __shfl_xor_sync(kFullMask, lq[h], 2);
-      lr[2 * h] = lq[h];
+      lr[2 * h] = zero_v ? l[h] : lq[h];
     }
   }
 

@@ -189,8 +189,11 @@ struct TcCopy {
   T* kd;  // this thread's chunk of its first row in K buffer 0; V's, Cfg::kKVElems * 2 further
   RowOffsets (*row_off)[BN];
   // Row-scaled: [buffer][K scale, V scale, 1 / V scale][BN] in shared memory (kernel:
-  // tc_scale); a V scale of 0 (a row of zeros) is kept as 1.
+  // tc_scale). A V scale of 0 has the inverse 0: its row's weight then leaves the sum of P as
+  // rounded / V scale, so the kernel normalizes by the fp32 sum of P where a thread saw one
+  // (zero_v; a row of zeros has it, and a caller's scales may pair it with codes that are not).
   float* scales;
+  mutable bool zero_v = false;
   attn::KVRows<E, attn::MagicDiv> kv;
   attn::RowScales row_scales;
   int tid, my_row, part_end;
@@ -234,9 +237,11 @@ struct TcCopy {
       }
     }
   }
-  // Row-scaled caches: key key0 + tid's K and V scales (0 past the partition), threads < BN.
+  // Row-scaled caches: key key0 + tid's K and V scales (0 and 1 past the partition), threads
+  // < BN.
   __device__ __forceinline__ void load_scales(int key0, float& ks, float& vs) const {
-    ks = vs = 0.f;
+    ks = 0.f;
+    vs = 1.f;
     const int t = key0 + tid;
     if (tid < BN && t < part_end) {
       uint32_t blk, off;
@@ -247,10 +252,10 @@ struct TcCopy {
   }
   __device__ __forceinline__ void store_scales(int buf, float ks, float vs) const {
     if (tid < BN) {
-      vs = vs > 0.f ? vs : 1.f;
+      zero_v |= vs == 0.f;
       scales[(3 * buf) * BN + tid] = ks;
       scales[(3 * buf + 1) * BN + tid] = vs;
-      scales[(3 * buf + 2) * BN + tid] = 1.f / vs;
+      scales[(3 * buf + 2) * BN + tid] = vs != 0.f ? 1.f / vs : 0.f;
     }
   }
   __device__ __forceinline__ void fetch(int key0) {

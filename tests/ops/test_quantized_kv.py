@@ -196,6 +196,12 @@ def quantized_args(case: Case, fmt: torch.dtype, device, outliers: bool = False)
 
 def run(backend, case: Case, fmt: torch.dtype) -> dict:
     args, _ = quantized_args(case, fmt, backend.device)
+    return read(backend, args)
+
+
+def read(backend, args: dict) -> dict:
+    """paged_attention over quantized args (on the backend's device) against the reference,
+    or its refusal where the backend has no kernel for them."""
     if refuses_read(backend):
         with pytest.raises(RuntimeError, match="no kernel reads int8, int4 or per-"):
             call(backend.ops.paged_attention, args)
@@ -357,14 +363,17 @@ NAN_FORMAT_IDS = ["bf16", "fp8e4m3-tensor", *FORMAT_IDS]
 
 
 @pytest.mark.parametrize("fmt", NAN_FORMATS, ids=NAN_FORMAT_IDS)
-@pytest.mark.parametrize("where", ["query", "key"])
+@pytest.mark.parametrize("where", ["query", "key", "value"])
 @pytest.mark.parametrize("q_lens", [None, (4, 1)], ids=["decode", "varlen"])
 def test_a_nan_logit_makes_the_rows_it_reaches_nan(attention_backend, fmt, where, q_lens):
     """A NaN in a query element, or in a K row (its element, or its scale), makes NaN exactly
     the rows whose logits it reaches, out and lse, as in the reference, and no others: the
     softmax's exp of NaN is NaN (not a clamped e^-87: the CPU), a NaN row sum is not "saw no
     key" (0 and lse -inf: the CUDA kernels), and split-K merges keep an lse of NaN, also where
-    every partition's is. 3001 keys split sequence 0 across partitions."""
+    every partition's is. 3001 keys split sequence 0 across partitions. A NaN in a V element
+    makes NaN its column of the rows that see it (its scale: their whole rows), no lse (the
+    CPU's decode reads the e4m3 rows of a step with no NaN without its NaN compare: the V rows'
+    check, apart from K's)."""
     backend = attention_backend
     case = Case(dtype=torch.bfloat16, num_heads=8, num_kv_heads=2, head_size=128,
                 seq_lens=(3001, 37), q_lens=q_lens)
@@ -377,21 +386,39 @@ def test_a_nan_logit_makes_the_rows_it_reaches_nan(attention_backend, fmt, where
     else:  # key 3 of sequence 0, kv head 0: every row of heads 0-3 of sequence 0 sees it
         block = args["block_tables"][0, 0]
         if fmt is None:
-            args["key_cache"][block, 0, 3, 5] = float("nan")
+            args[f"{where}_cache"][block, 0, 3, 5] = float("nan")
         elif fmt == "e4m3":
-            args["key_cache"].view(torch.uint8)[block, 0, 3, 5] = 0x7F  # S.1111.111
+            args[f"{where}_cache"].view(torch.uint8)[block, 0, 3, 5] = 0x7F  # S.1111.111
         else:
-            args["key_cache_scales"][block, 0, 3] = float("nan")
+            args[f"{where}_cache_scales"][block, 0, 3] = float("nan")
     ref_out, ref_lse = reference_outputs(args, torch.float64)
     args = to_device(args, backend.device)
     call(backend.ops.paged_attention, args)
     out, lse = args["out"].cpu().double(), args["lse_out"].cpu()
     nan_rows = ref_out.isnan().any(-1)
     assert nan_rows.any() and not nan_rows.all()
-    assert torch.equal(out.isnan().any(-1), nan_rows)
-    assert torch.equal(out.isnan().all(-1), nan_rows)
+    assert torch.equal(out.isnan(), ref_out.isnan())  # (a V element: its column)
     assert torch.equal(lse.isnan(), ref_lse.isnan())
     torch.testing.assert_close(out[~nan_rows], ref_out[~nan_rows], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("group", [1, 4])
+def test_negative_and_zero_scales(attention_backend, fmt, group):
+    """Scales of either sign, and 0 over codes that are not (reshape_and_cache writes neither,
+    a caller's tensor may): the rows read as codes x scale, K's and V's, against the
+    reference. The CPU's integer P V rounds P times the V scales by their largest magnitude;
+    the tensor-core kernel divides by the V scales (their rows of 0: zero codes staged)."""
+    case = Case(dtype=torch.bfloat16, num_heads=2 * group, num_kv_heads=2, head_size=128,
+                seq_lens=(1, 77, 250, 33))
+    skip_what_auto_runs(attention_backend, case, row_scaled=fmt in TC_FORMATS)
+    args, _ = quantized_args(case, fmt, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    for name in ("key", "value"):
+        scales = args[f"{name}_cache_scales"]
+        scales[torch.rand(scales.shape, generator=gen) < 0.5] *= -1
+        scales[torch.rand(scales.shape, generator=gen) < 0.1] = 0
+    read(attention_backend, to_device(args, attention_backend.device))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
