@@ -421,6 +421,31 @@ def test_negative_and_zero_scales(attention_backend, fmt, group):
     read(attention_backend, to_device(args, attention_backend.device))
 
 
+@pytest.mark.parametrize("group", [1, 4])
+def test_e4m3_zeros_and_subnormals_count(backend, group):
+    """fp8 e4m3 rows of zeros and subnormals only (S.0000.MMM: m 2^-9), 3 a kv head in the last
+    block of two sequences, with a scale per row of 64 (their numbers m / 8, as large as the
+    other rows' elements), K and V: read as the float's subnormals (the CPU's multiply by
+    2^120, docs/cpu_attention.md), against the reference; a subnormal read as a normal number
+    (2^-7 (1 + m / 8)) moves the output far past the tolerance. Quads (group 4) and rows."""
+    case = Case(dtype=torch.bfloat16, num_heads=2 * group, num_kv_heads=2, head_size=128,
+                seq_lens=(1, 77, 250, 33, 170))
+    args, _ = quantized_args(case, torch.float8_e4m3fn, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    for name in ("key", "value"):
+        bits = args[f"{name}_cache"].view(torch.uint8)  # [blocks, kv heads, block, head size]
+        for seq in (2, 4):
+            last = (case.seq_lens[seq] - 1) // case.block_size
+            block = int(args["block_tables"][seq, last])
+            valid = case.seq_lens[seq] - last * case.block_size  # its tokens
+            tokens = torch.stack([torch.randperm(valid, generator=gen)[:3] for _ in range(2)])
+            heads = torch.arange(2)[:, None]
+            codes = torch.randint(0, 16, (2, 3, case.head_size), generator=gen).to(torch.uint8)
+            bits[block, heads, tokens] = (codes & 7) | (codes & 8) << 4
+            args[f"{name}_cache_scales"][block, heads, tokens] = 64.0
+    read(backend, to_device(args, backend.device))
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 # (24, 12): more kv heads than the CPU decode gathers scales for at once (8)
 @pytest.mark.parametrize("block_size,heads,head_size", [(1, (4, 4), 64), (17, (12, 3), 80),
