@@ -299,47 +299,20 @@ inline vf load_float(const int8_t* p) { return __builtin_convertvector(widen_i8(
 // and EEEE.MMM in 26-20; clearing 30-27 leaves the float 2^-120 times the number, normal or
 // subnormal as the number is (exponent field EEEE), which one multiply by 2^120 makes exact.
 // S.1111.111 is NaN. (Through a half and vcvtph2ps, as e5m2, took about twice the instructions.)
+// x: the bytes sign-extended (widen_i8); NaN read as 480.
+[[gnu::always_inline]] inline vf e4m3_finite(vi x) {
+  return (vf)(((vu)x << 20) & 0x87F00000u) * 0x1p120f;
+}
 inline vf load_float(const e4m3_t* p) {
   const vi x = widen_i8(p);
-  const vf f = (vf)(((vu)x << 20) & 0x87F00000u) * 0x1p120f;
-  return (x & 0x7F) == 0x7F ? splat(__builtin_nanf("")) : f;
+  return (x & 0x7F) == 0x7F ? splat(__builtin_nanf("")) : e4m3_finite(x);
 }
 
 // An element of e4m3 rows known to hold no NaN (float8_e4m3fn has no infinity: all finite):
 // load_float(e4m3_t) without its NaN compare and blend, 4 instructions per W elements where
 // that takes 7 on AVX2. Decode reads a step's rows so when e4m3_nan finds none.
 struct e4m3f_t { uint8_t bits; };
-inline vf load_float(const e4m3f_t* p) {
-  return (vf)(((vu)widen_i8(p) << 20) & 0x87F00000u) * 0x1p120f;
-}
-
-// Whether one of the D bytes of n e4m3 rows is a NaN, S.1111.111: the largest of their low 7
-// bits, taken 32 bytes at a time (then 8), is 0x7F. (D a multiple of 8.)
-template <typename Rows>
-inline bool e4m3_nan(Rows rows, int n, int D) {
-  typedef uint8_t v32 __attribute__((vector_size(32)));
-  typedef uint8_t v8 __attribute__((vector_size(8)));
-  v32 m{};
-  v8 m8{};
-  for (int t = 0; t < n; ++t) {
-    const auto* row = reinterpret_cast<const uint8_t*>(rows[t]);
-    int d = 0;
-    for (; d + 32 <= D; d += 32) {
-      const v32 x = load_raw<v32>(row + d) & 0x7F;
-      m = x > m ? x : m;
-    }
-    for (; d < D; d += 8) {
-      const v8 x = load_raw<v8>(row + d) & 0x7F;
-      m8 = x > m8 ? x : m8;
-    }
-  }
-  const auto nan = m == 0x7F;
-  const auto nan8 = m8 == 0x7F;
-  uint64_t w[5];
-  std::memcpy(w, &nan, 32);
-  std::memcpy(w + 4, &nan8, 8);
-  return (w[0] | w[1] | w[2] | w[3] | w[4]) != 0;
-}
+inline vf load_float(const e4m3f_t* p) { return e4m3_finite(widen_i8(p)); }
 
 #if PKV_ISA == 3
 // The 128 nibbles of 64 bytes of an int4 row as bytes (their codes, 0..15), in element order:
